@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# torch 2.13.0 is the CPU wheel on our build machines. On a GPU machine: make demo CONSTRAINTS=
+CONSTRAINTS ?= constraints.txt
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export MUJOCO_GL ?= egl
+export PYOPENGL_PLATFORM ?= egl
+
+.PHONY: install demo test test-fast clean
+
+$(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[sim,test]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/roboscale demo
+
+test: $(BIN)/.installed
+	$(BIN)/pytest -q
+
+test-fast: $(BIN)/.installed
+	$(BIN)/pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) outputs

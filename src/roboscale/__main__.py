@@ -1,0 +1,3 @@
+from roboscale.cli import main
+
+raise SystemExit(main())

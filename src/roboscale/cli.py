@@ -1,0 +1,131 @@
+"""`roboscale data|train|eval|demo`: parse a typed config, call one function."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from roboscale.errors import RoboscaleError
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str
+    run: Callable[[list[str]], object]
+
+
+def _generate(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.sim.experts import GenerateConfig, generate_dataset
+
+    cfg = parse(GenerateConfig, argv, prog="roboscale data generate")
+    print(f"dataset written to {generate_dataset(cfg)}")
+
+
+def _tasks(argv: list[str]) -> None:
+    from roboscale.sim.metaworld import SUITES, TASK_DESCRIPTIONS
+
+    for task, text in sorted(TASK_DESCRIPTIONS.items()):
+        print(f"{task:30s} {text}")
+    print("\nsuites: " + ", ".join(f"{k} ({len(v)} tasks)" for k, v in SUITES.items()))
+
+
+def _info(argv: list[str]) -> None:
+    from roboscale.data import LeRobotDataset
+
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise SystemExit("usage: roboscale data info DATASET_DIR")
+    ds = LeRobotDataset(root=argv[0])
+    meta = ds.meta
+    print(f"{argv[0]}: LeRobot {meta.info.codebase_version}, {meta.fps} fps, robot {meta.robot_type}")
+    print(f"  {meta.total_episodes} episodes, {meta.total_frames} frames, {len(meta.task_list)} tasks")
+    for name, feat in meta.features.items():
+        print(f"  {name:34s} {feat['dtype']:8s} {feat['shape']}")
+    for i, task in enumerate(meta.task_list):
+        print(f"  task {i}: {task}")
+
+
+def _train(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.train.trainer import TrainConfig, train
+
+    cfg = parse(TrainConfig, argv, prog="roboscale train")
+    print(f"final checkpoint: {train(cfg)}")
+
+
+def _eval(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.eval.closed_loop import EvalConfig, evaluate
+    from roboscale.eval.report import success_table
+
+    cfg = parse(EvalConfig, argv, prog="roboscale eval")
+    summary = evaluate(cfg)
+    print(success_table({"success": summary}, list(summary["per_task"])))
+    print(f"report: {summary['report_dir']}/report.md")
+
+
+def _demo(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.demo import DemoConfig, run_demo
+
+    run_demo(parse(DemoConfig, argv, prog="roboscale demo"))
+
+
+COMMANDS: dict[str, Command | dict[str, Command]] = {
+    "data": {
+        "generate": Command("run MetaWorld scripted experts and write a LeRobot v3.0 dataset", _generate),
+        "info": Command("print a dataset's schema, episodes and tasks", _info),
+        "tasks": Command("list the MetaWorld tasks and suites", _tasks),
+    },
+    "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
+    "eval": Command("evaluate a checkpoint in closed loop in MetaWorld", _eval),
+    "demo": Command("generate demos, train, evaluate: the whole loop on the embedded default", _demo),
+}
+
+
+def _usage(table: dict, prefix: str) -> str:
+    lines = [f"usage: {prefix} <command> [--help] [--option=value ...]", "", "commands:"]
+    for name, cmd in table.items():
+        if isinstance(cmd, dict):
+            for sub, c in cmd.items():
+                lines.append(f"  {name} {sub:10s} {c.summary}")
+        else:
+            lines.append(f"  {name:15s} {cmd.summary}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("ROBOSCALE_LOG", "INFO"), format="%(asctime)s %(levelname)s %(message)s")
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    table: dict = COMMANDS
+    prefix = "roboscale"
+    while True:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_usage(table, prefix))
+            return 0 if argv else 2
+        name = argv.pop(0)
+        if name not in table:
+            print(f"{prefix}: unknown command {name!r}\n\n{_usage(table, prefix)}", file=sys.stderr)
+            return 2
+        entry = table[name]
+        prefix = f"{prefix} {name}"
+        if isinstance(entry, dict):
+            table = entry
+            continue
+        try:
+            entry.run(argv)
+        except RoboscaleError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,295 @@
+"""Typed dataclass configs: YAML files plus dotted command-line overrides, and ``--help`` from field docs.
+
+Every option is a dataclass field with a type, a default and a docstring (the string literal right after the
+field). ``parse(Config, argv)`` reads ``--config file.yaml`` first, then applies ``--section.field=value``
+overrides in order. A field typed as a registered base class (policies) is chosen with ``--policy.type=NAME``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+import types
+import typing
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from roboscale.errors import ConfigError
+
+T = TypeVar("T")
+
+# Base config class -> {type name: subclass}. Filled by ``register``; a field annotated with a base class accepts
+# a ``type`` key that selects the subclass (the draccus ChoiceRegistry pattern, without the dependency).
+_CHOICES: dict[type, dict[str, type]] = {}
+
+
+def register(base: type, name: str):
+    """Class decorator: make ``cls`` selectable as ``type: name`` wherever ``base`` is expected."""
+
+    def wrap(cls: type) -> type:
+        _CHOICES.setdefault(base, {})[name] = cls
+        cls.type = name  # class attribute, written into config.json / YAML
+        return cls
+
+    return wrap
+
+
+def choices(base: type) -> dict[str, type]:
+    return dict(_CHOICES.get(base, {}))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields (``x: int = 1`` followed by ``\"\"\"doc\"\"\"``)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise a ConfigError naming the option."""
+    optional, inner = _is_optional(tp)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if optional or value is None:
+            return None
+    tp = inner
+    origin = typing.get_origin(tp)
+    try:
+        if dataclasses.is_dataclass(tp):
+            if isinstance(value, tp):
+                return value
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            return from_dict(tp, value, where)
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        if tp in (int, float):
+            if isinstance(value, bool):
+                raise ValueError
+            return tp(value)
+        if tp is str:
+            return str(value)
+        if tp is Path:
+            return Path(value)
+        if origin in (list, tuple):
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            (item,) = typing.get_args(tp)[:1] or (Any,)
+            items = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+            return items if origin is list else tuple(items)
+        if origin is dict:
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            kt, vt = typing.get_args(tp) or (Any, Any)
+            return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+        if inspect.isclass(tp) and issubclass(tp, Enum):
+            return tp(value)
+        if tp is Any:
+            return value
+    except ConfigError:
+        raise
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
+    return value
+
+
+def from_dict(cls: type[T], data: dict, where: str = "") -> T:
+    """Build ``cls`` from a nested dict; unknown keys are errors (a typo must not be silently ignored)."""
+    data = dict(data)
+    if cls in _CHOICES:
+        name = data.pop("type", None) or getattr(cls, "type", None)
+        options = _CHOICES[cls]
+        if name not in options:
+            raise ConfigError(f"{where or cls.__name__}.type: {name!r} is not one of {sorted(options)}")
+        cls = options[name]
+    else:
+        data.pop("type", None)
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown option(s) {unknown}; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}".lstrip(".")) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from None
+
+
+def to_dict(cfg: Any) -> Any:
+    """A JSON/YAML-ready nested dict, with ``type`` for registered configs."""
+    if dataclasses.is_dataclass(cfg):
+        out = {}
+        if getattr(type(cfg), "type", None) is not None:
+            out["type"] = type(cfg).type
+        for f in dataclasses.fields(cfg):
+            out[f.name] = to_dict(getattr(cfg, f.name))
+        return out
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, Path):
+        return str(cfg)
+    if isinstance(cfg, Enum):
+        return cfg.value
+    return cfg
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--{dotted}: {k!r} is not a section")
+    node[keys[-1]] = value
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            # Switching a registered section's type drops the old type's options.
+            if "type" in v and v["type"] != out[k].get("type"):
+                out[k] = dict(v)
+            else:
+                out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse(cls: type[T], argv: list[str], defaults: T | None = None, prog: str = "roboscale") -> T:
+    """``--config file.yaml`` then ``--a.b=value`` / ``--a.b value`` overrides; ``--help`` prints every option."""
+    base = to_dict(defaults if defaults is not None else cls())
+    overrides: dict = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-h", "--help"):
+            print(help_text(cls, prog))
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.name=value (see --help)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        else:
+            key = arg[2:]
+            values = []
+            while i + 1 < len(args) and not args[i + 1].startswith("--"):
+                values.append(args[i + 1])
+                i += 1
+            # `--tasks a b` gives a list; `--steps 5` a scalar; a bare flag switches a boolean on.
+            value = values[0] if len(values) == 1 else (values or "true")
+        key = key.replace("-", "_")
+        if key == "config":
+            path = Path(value)
+            if not path.is_file():
+                raise ConfigError(f"--config: {path} does not exist")
+            try:
+                loaded = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: expected a mapping of options at the top level")
+            base = _merge(base, loaded)
+        else:
+            _set_dotted(overrides, key, _parse_scalar(value) if isinstance(value, str) else value)
+        i += 1
+    return from_dict(cls, _merge(base, overrides))
+
+
+def _parse_scalar(value: str) -> Any:
+    """CLI strings stay strings unless they are JSON/YAML lists or mappings; _coerce converts by type later."""
+    stripped = value.strip()
+    if stripped[:1] in "[{":
+        try:
+            return yaml.safe_load(stripped)
+        except yaml.YAMLError:
+            return value
+    return value
+
+
+def help_text(cls: type, prog: str) -> str:
+    lines = [f"usage: {prog} [--config FILE.yaml] [--option=value ...]", ""]
+    doc = inspect.getdoc(cls)
+    if doc:
+        lines += [doc, ""]
+    lines.append("options (defaults in brackets):")
+    lines += _help_lines(cls, cls(), "")
+    lines.append("")
+    lines.append("  --config FILE.yaml  read options from a YAML file first (same nesting as above)")
+    return "\n".join(lines)
+
+
+def _help_lines(cls: type, value: Any, prefix: str) -> list[str]:
+    lines = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        current = getattr(value, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(current):
+            sub = type(current)
+            lines.append(f"  --{name}.*  {docs.get(f.name, '')}")
+            base = next((b for b in _CHOICES if isinstance(current, b)), None)
+            if base is not None:
+                lines.append(f"  --{name}.type  one of {sorted(_CHOICES[base])} [{type(current).type}]")
+            lines += _help_lines(sub, current, f"{name}.")
+            continue
+        tname = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+        shown = json.dumps(to_dict(current)) if not isinstance(current, str) else current
+        lines.append(f"  --{name}  ({tname}) {docs.get(f.name, '')} [{shown}]")
+    return lines
+
+
+def save_yaml(cfg: Any, path: str | Path) -> None:
+    from roboscale.utils.io import atomic_write_bytes
+
+    atomic_write_bytes(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())

@@ -1,0 +1,97 @@
+"""`roboscale eval`: score a checkpoint in MetaWorld and write a report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from roboscale.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    """`roboscale eval`: closed-loop evaluation of a checkpoint in MetaWorld."""
+
+    checkpoint: str = ""
+    """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last)."""
+    tasks: list[str] = field(default_factory=lambda: ["demo"])
+    """Tasks or suites (demo, mt10, mt50) to evaluate."""
+    episodes: int = 10
+    """Episodes per task."""
+    seed: int = 1000
+    """Evaluation seed; episode i of task t is placed by (seed, t, i). Demos use seed 0, so 1000 is unseen."""
+    max_steps: int = 250
+    """Steps before an episode counts as a failure (experts need 35-180 on these tasks)."""
+    workers: int = 2
+    """Parallel worker processes."""
+    videos_per_task: int = 2
+    """Rollout videos to save per task (the first episodes)."""
+    video_camera: str = "corner2"
+    """Camera shown in the videos."""
+    output_dir: str = ""
+    """Report directory (default: <checkpoint>/../eval, or outputs/eval)."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept pretrained_model dirs, step dirs and training output dirs."""
+    path = Path(path)
+    for candidate in (path, path / "pretrained_model", path / "checkpoints" / "last" / "pretrained_model"):
+        if (candidate / "config.json").is_file():
+            return candidate.resolve()
+    raise CheckpointError(path, "no policy checkpoint here (expected config.json + model.safetensors)")
+
+
+def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
+    from roboscale.eval.report import write_report
+    from roboscale.eval.rollout import RolloutJob, run_rollouts
+    from roboscale.models.policy import read_policy_config
+    from roboscale.sim.experts import episode_seed
+    from roboscale.sim.metaworld import CAMERA_ALIASES, resolve_tasks
+
+    if not cfg.checkpoint:
+        raise CheckpointError(".", "--checkpoint is required")
+    checkpoint = resolve_checkpoint(cfg.checkpoint)
+    policy_cfg = read_policy_config(checkpoint)
+    tasks = resolve_tasks(cfg.tasks)
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
+    names = [k.removeprefix("observation.images.") for k in policy_cfg.get("image_keys", [])]
+    cameras = {n: CAMERA_ALIASES.get(n, n) for n in names}
+    if cfg.video_camera not in cameras:
+        cameras[cfg.video_camera] = CAMERA_ALIASES.get(cfg.video_camera, cfg.video_camera)
+    jobs = [
+        RolloutJob(
+            checkpoint=str(checkpoint),
+            task=task,
+            episode=i,
+            seed=episode_seed(cfg.seed, task, i),
+            max_steps=cfg.max_steps,
+            record_video=i < cfg.videos_per_task,
+            video_dir=str(out_dir / "videos"),
+            image_size=int(policy_cfg.get("image_size", 64)),
+            cameras=cameras,
+            video_camera=cfg.video_camera,
+        )
+        for task in tasks
+        for i in range(cfg.episodes)
+    ]
+    start = time.perf_counter()
+    results = run_rollouts(jobs, cfg.workers, progress)
+    elapsed = time.perf_counter() - start
+    meta = {
+        "checkpoint": str(checkpoint),
+        "label": label,
+        "policy_type": policy_cfg.get("type"),
+        "tasks": tasks,
+        "seed": cfg.seed,
+        "max_steps": cfg.max_steps,
+        "episodes_per_task": cfg.episodes,
+        "eval_seconds": elapsed,
+    }
+    summary = write_report(out_dir, results, tasks, meta)
+    summary["report_dir"] = str(out_dir)
+    summary["eval_seconds"] = elapsed
+    return summary

@@ -1,0 +1,82 @@
+"""Language tokenizer: a small byte-level BPE trained on the dataset's task strings, or a tokenizer.json from disk.
+
+Byte-level BPE never meets an unknown character, so paraphrased or new instructions still tokenize. The trained
+tokenizer is saved as ``tokenizer.json`` next to the policy weights; a PaliGemma/Qwen ``tokenizer.json`` a user
+has on disk loads the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from roboscale.errors import CheckpointError
+
+PAD, BOS = "<pad>", "<bos>"
+
+
+def normalize_task(text: str) -> str:
+    """The text the model reads: pi0.5's prompt cleaning (underscores to spaces, one line), lower-cased."""
+    return " ".join(text.replace("_", " ").split()).lower()
+
+
+class TaskTokenizer:
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        pad = tokenizer.token_to_id(PAD)
+        self.pad_id = 0 if pad is None else pad
+        self.bos_id = tokenizer.token_to_id(BOS)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 512) -> TaskTokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[PAD, BOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator([normalize_task(t) for t in texts], trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TaskTokenizer:
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(path, "tokenizer file not found (expected a Hugging Face tokenizer.json)")
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+            raise CheckpointError(path, f"not a valid tokenizer.json ({exc})") from None
+
+    def save(self, path: str | Path) -> None:
+        from roboscale.utils.io import atomic_write_bytes
+
+        atomic_write_bytes(path, self._tok.to_str(pretty=False).encode())
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(normalize_task(text), add_special_tokens=False).ids
+        return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+    def encode_batch(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ids [B, L] and a bool mask (True = real), L = longest in the batch (<= max_length)."""
+        encoded = [self.encode(t)[:max_length] for t in texts]
+        length = max(1, max(len(e) for e in encoded))
+        ids = torch.full((len(encoded), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), length), dtype=torch.bool)
+        for i, e in enumerate(encoded):
+            ids[i, : len(e)] = torch.tensor(e, dtype=torch.long)
+            mask[i, : len(e)] = True
+        return ids, mask

@@ -1,0 +1,52 @@
+"""Training telemetry: loss, samples/s, data-wait fraction; to TensorBoard and the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Telemetry:
+    def __init__(self, log_dir: Path, batch_size: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+        self.batch_size = batch_size
+        self._sums: dict[str, float] = defaultdict(float)
+        self._count = 0
+        self._wait = 0.0
+        self._window_start = time.perf_counter()
+
+    @contextmanager
+    def data_wait(self):
+        start = time.perf_counter()
+        yield
+        self._wait += time.perf_counter() - start
+
+    def step(self, step: int, metrics: dict[str, float], log_now: bool) -> dict[str, float] | None:
+        """Accumulate one step; on ``log_now`` write window means and return them."""
+        for k, v in metrics.items():
+            self._sums[k] += float(v)
+        self._count += 1
+        if not log_now:
+            return None
+        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        summary = {k: v / self._count for k, v in self._sums.items()}
+        summary["samples_per_s"] = self._count * self.batch_size / elapsed
+        summary["data_wait_pct"] = 100.0 * self._wait / elapsed
+        for k, v in summary.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
+        self._sums.clear()
+        self._count = 0
+        self._wait = 0.0
+        self._window_start = time.perf_counter()
+        return summary
+
+    def close(self) -> None:
+        self.writer.close()

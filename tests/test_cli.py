@@ -1,0 +1,54 @@
+"""The CLI end to end on a tiny config, the way a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY_POLICY = [
+    "--policy.image_size=32", "--policy.vit_dim=32", "--policy.vit_depth=1", "--policy.vit_heads=2",
+    "--policy.width=48", "--policy.depth=2", "--policy.num_heads=2", "--policy.head_dim=16", "--policy.mlp_dim=64",
+    "--policy.expert_width=32", "--policy.expert_mlp_dim=48", "--policy.chunk_size=8", "--policy.n_action_steps=4",
+]  # fmt: skip
+
+
+def roboscale(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "roboscale", *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"roboscale {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.mark.slow
+def test_generate_train_eval_end_to_end(tmp_path):
+    data, run, report = tmp_path / "data", tmp_path / "run", tmp_path / "eval"
+    roboscale("data", "generate", "--tasks=[reach]", "--episodes_per_task=2", f"--out={data}", "--image_size=32",
+              "--workers=1")
+    info = roboscale("data", "info", str(data)).stdout
+    assert "2 episodes" in info and "Reach a goal position" in info
+    out = roboscale("train", f"--dataset.root={data}", f"--output_dir={run}", "--steps=6", "--batch_size=8",
+                    "--save_freq=3", *TINY_POLICY).stdout
+    assert "final checkpoint" in out
+    roboscale("eval", f"--checkpoint={run}", "--tasks=[reach]", "--episodes=1", "--max_steps=8", "--workers=1",
+              f"--output_dir={report}")
+    result = json.loads((report / "report.json").read_text())
+    assert result["per_task"]["reach-v3"]["episodes"] == 1
+    assert result["episodes"][0]["steps"] <= 8
+
+
+def test_help_lists_commands_and_options():
+    top = roboscale("--help").stdout
+    assert "data generate" in top and "train" in top and "eval" in top and "demo" in top
+    train_help = roboscale("train", "--help").stdout
+    assert "--optimizer.lr" in train_help and "--resume" in train_help
+
+
+def test_bad_input_is_one_line_without_a_traceback(tmp_path):
+    proc = roboscale("eval", f"--checkpoint={tmp_path}", check=False)
+    assert proc.returncode == 1
+    assert "no policy checkpoint here" in proc.stderr and "Traceback" not in proc.stderr
+    proc = roboscale("train", "--stepz=3", check=False)
+    assert proc.returncode == 1 and "unknown option(s) ['stepz']" in proc.stderr and "Traceback" not in proc.stderr
+    proc = roboscale("data", "info", str(tmp_path), check=False)
+    assert proc.returncode == 1 and "info.json" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,36 @@
+import numpy as np
+import pytest
+
+from roboscale.data import DatasetWriter
+from roboscale.sim.experts import dataset_features
+
+TASKS = ["Rotate the faucet clockwise", "Open a drawer"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A synthetic MetaWorld-shaped dataset (2 cameras at 32², 4 episodes): actions depend on the task and the
+    image, so a policy can lower its loss on it."""
+    root = tmp_path_factory.mktemp("data") / "tiny"
+    writer = DatasetWriter.create(root, fps=80, features=dataset_features(32, {"corner2": "", "wrist": ""}),
+                                  robot_type="sawyer")
+    rng = np.random.default_rng(0)
+    for ep in range(4):
+        n = 30
+        t = np.arange(n, dtype=np.float32)
+        sign = 1.0 if ep % 2 == 0 else -1.0
+        img = np.full((n, 32, 32, 3), 40, np.uint8)
+        img[:, 8 + ep * 4 : 12 + ep * 4, 8:12] = 220
+        frames = {
+            "observation.images.corner2": img,
+            "observation.images.wrist": img[:, ::-1].copy(),
+            "observation.state": np.stack([t / n, -t / n, t * 0, t * 0 + sign], 1).astype(np.float32),
+            "observation.environment_state": rng.normal(size=(n, 39)).astype(np.float32),
+            "action": np.stack([np.sin(t / 5) * sign, np.cos(t / 5), t / n, t * 0 + sign], 1).astype(np.float32),
+            "action.executed": np.zeros((n, 4), np.float32),
+            "next.reward": np.zeros(n, np.float32),
+            "next.success": np.arange(n) == n - 1,
+        }
+        writer.add_episode(frames, task=TASKS[ep % 2])
+    writer.finalize()
+    return root

@@ -1,0 +1,73 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from roboscale.config import ConfigError
+from roboscale.models.pi05 import Pi05Config
+from roboscale.models.policy import Policy
+from roboscale.train.trainer import DatasetConfig, OptimizerConfig, TrainConfig, train
+
+
+def tiny_train_config(root, out, steps, **kw) -> TrainConfig:
+    policy = Pi05Config(image_size=32, vit_patch_size=8, vit_dim=32, vit_depth=1, vit_heads=2, width=48, depth=2,
+                        num_heads=2, head_dim=16, mlp_dim=64, expert_width=32, expert_mlp_dim=48, chunk_size=8,
+                        n_action_steps=4, num_inference_steps=3)
+    return TrainConfig(dataset=DatasetConfig(root=str(root)), policy=policy, steps=steps, batch_size=16,
+                       output_dir=str(out), save_freq=kw.pop("save_freq", 1000), log_freq=5,
+                       optimizer=OptimizerConfig(lr=3e-3, warmup_steps=5), **kw)
+
+
+def _losses(out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("train/loss")]
+
+
+def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_dataset, tmp_path):
+    final = train(tiny_train_config(tiny_dataset, tmp_path / "run", steps=60), progress=False)
+    losses = _losses(tmp_path / "run")
+    assert losses[-1] < 0.6 * losses[0]
+    assert final == (tmp_path / "run" / "checkpoints" / "000060" / "pretrained_model").resolve()
+    assert (tmp_path / "run" / "checkpoints" / "last").resolve().name == "000060"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "train_config.json"):
+        assert (final / name).is_file()
+    policy = Policy.from_pretrained(final)
+    assert policy.config.image_keys == ["observation.images.corner2", "observation.images.wrist"]
+    assert json.loads((final.parent / "training_state" / "training_step.json").read_text())["step"] == 60
+
+
+def test_resume_continues_exactly(tiny_dataset, tmp_path):
+    straight = train(tiny_train_config(tiny_dataset, tmp_path / "a", steps=8), progress=False)
+    train(tiny_train_config(tiny_dataset, tmp_path / "b", steps=8, save_freq=4), progress=False)
+    # Simulate a run killed after step 4: drop the final checkpoint and point `last` back to step 4.
+    import shutil
+
+    ckpts = tmp_path / "b" / "checkpoints"
+    shutil.rmtree(ckpts / "000008")
+    (ckpts / "last").unlink()
+    (ckpts / "last").symlink_to("000004")
+    resumed = train(tiny_train_config(tiny_dataset, tmp_path / "b", steps=8, resume=True), progress=False)
+    a = load_file(str(straight / "model.safetensors"))
+    b = load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_existing_output_dir_needs_resume_and_resume_needs_a_checkpoint(tiny_dataset, tmp_path):
+    train(tiny_train_config(tiny_dataset, tmp_path / "run", steps=2), progress=False)
+    with pytest.raises(ConfigError, match="already has checkpoints; pass --resume=true"):
+        train(tiny_train_config(tiny_dataset, tmp_path / "run", steps=2), progress=False)
+    with pytest.raises(ConfigError, match="no checkpoint under"):
+        train(tiny_train_config(tiny_dataset, tmp_path / "fresh", steps=2, resume=True), progress=False)
+
+
+def test_a_camera_missing_from_the_dataset_is_a_clear_error(tiny_dataset, tmp_path):
+    cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=2)
+    cfg.policy.image_keys = ["observation.images.top"]
+    with pytest.raises(ValueError, match=r"cameras \['observation.images.top'\] are not in the dataset"):
+        train(cfg, progress=False)

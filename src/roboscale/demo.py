@@ -36,6 +36,8 @@ class DemoConfig:
     """Evaluation (its tasks are the demo's tasks)."""
     reuse_data: bool = True
     """Reuse <output_dir>/data if a complete dataset is already there."""
+    language_check: bool = True
+    """Also evaluate the instruction-only pairs with swapped instructions (success should collapse)."""
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -54,7 +56,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     if cfg.reuse_data and (data_dir / "meta" / "info.json").is_file():
         log.info("reusing the dataset at %s", data_dir)
     else:
-        log.info("1/4 generating %d expert demos for %s", cfg.data.episodes_per_task * len(tasks), ", ".join(tasks))
+        log.info("1/5 generating %d expert demos for %s", cfg.data.episodes_per_task * len(tasks), ", ".join(tasks))
         generate_dataset(cfg.data)
     timings["generate_s"] = time.perf_counter() - start
 
@@ -68,34 +70,73 @@ def run_demo(cfg: DemoConfig) -> dict:
     untrained_dir = out / "untrained" / "pretrained_model"
     untrained = build_policy(cfg.train.policy, LeRobotDataset(root=str(data_dir)).meta)
     untrained.save_pretrained(untrained_dir)
-    log.info("2/4 evaluating the untrained policy")
+    log.info("2/5 evaluating the untrained policy")
     before = evaluate(_eval_cfg(cfg.eval, untrained_dir, out / "eval_untrained", videos=0), label="untrained")
     timings["eval_untrained_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    log.info("3/4 training for %d steps", cfg.train.steps)
+    log.info("3/5 training for %d steps", cfg.train.steps)
     if (out / "train" / "checkpoints").exists():
         cfg.train.resume = True  # a re-run of the demo continues (or reuses) its own training
     checkpoint = train(cfg.train)
     timings["train_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    log.info("4/4 evaluating the trained policy")
+    log.info("4/5 evaluating the trained policy")
     after = evaluate(_eval_cfg(cfg.eval, checkpoint, out / "eval", videos=cfg.eval.videos_per_task), label="trained")
     timings["eval_trained_s"] = time.perf_counter() - start
 
+    language = {}
+    if cfg.language_check:
+        start = time.perf_counter()
+        language = _language_check(cfg.eval, checkpoint, out / "eval_swapped_instructions", tasks, after)
+        timings["language_check_s"] = time.perf_counter() - start
+
     table = success_table({"untrained": before, "trained": after}, tasks)
     save_yaml(cfg, out / "demo_config.yaml")
-    summary = {"table": table, "timings": timings, "checkpoint": str(checkpoint), "report": after["report_dir"]}
+    summary = {"table": table, "timings": timings, "checkpoint": str(checkpoint), "report": after["report_dir"],
+               "language_check": language}
     print()
     print(table)
     print()
+    for task, result in language.items():
+        print(
+            f"language check, {task}: {result['own']:.0%} success with its own instruction, "
+            f"{result['swapped']:.0%} when told {result['told']!r}"
+        )
     print("timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     print(f"dataset:    {data_dir}")
     print(f"checkpoint: {checkpoint}")
     print(f"report:     {after['report_dir']}/report.md (and report.html)")
     print(f"videos:     {after['report_dir']}/videos/")
     return summary
+
+
+def _language_check(base: EvalConfig, checkpoint: Path, output_dir: Path, tasks: list[str], trained: dict) -> dict:
+    """For each instruction-only pair in the task set, tell each task the other's instruction."""
+    from dataclasses import replace
+
+    from roboscale.sim.metaworld import INSTRUCTION_PAIRS, task_description
+
+    swaps = {}
+    for a, b in INSTRUCTION_PAIRS:
+        if a in tasks and b in tasks:
+            swaps[a], swaps[b] = task_description(b), task_description(a)
+    if not swaps:
+        return {}
+    log.info("5/5 language check: %s with swapped instructions", ", ".join(swaps))
+    episodes = max(1, base.episodes // 2)
+    cfg = replace(_eval_cfg(base, checkpoint, output_dir, videos=1), tasks=list(swaps), instructions=swaps,
+                  episodes=episodes)
+    swapped = evaluate(cfg, label="swapped instructions")
+    return {
+        task: {
+            "own": trained["per_task"][task]["success_rate"],
+            "swapped": swapped["per_task"][task]["success_rate"],
+            "told": told,
+        }
+        for task, told in swaps.items()
+    }
 
 
 def _eval_cfg(base: EvalConfig, checkpoint: Path, output_dir: Path, videos: int) -> EvalConfig:

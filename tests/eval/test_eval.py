@@ -40,3 +40,23 @@ def test_evaluate_writes_reports_for_a_saved_checkpoint(tmp_path):
 def test_evaluate_refuses_a_directory_without_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no policy checkpoint here"):
         evaluate(EvalConfig(checkpoint=str(tmp_path)), progress=False)
+
+
+def test_an_instruction_override_reaches_the_policy(tmp_path, monkeypatch):
+    policy = tiny_policy().eval()
+    seen = []
+    original = policy.predict_action_chunk
+
+    def spy(obs):
+        seen.append(obs["task"][0])
+        return original(obs)
+
+    monkeypatch.setattr(policy, "predict_action_chunk", spy)
+    cams = {"corner2": "corner2", "wrist": "gripperPOV"}
+    with MetaWorldEnv("faucet-open", RenderConfig(32, 32, cams), max_episode_steps=4) as env:
+        job = RolloutJob("", "faucet-open-v3", 0, seed=1, max_steps=4, record_video=False, video_dir="",
+                         image_size=32, cameras=cams, instruction="Rotate the faucet clockwise")
+        run_episode(policy, env, job)
+        run_episode(policy, env, RolloutJob("", "faucet-open-v3", 0, 1, 4, False, "", 32, cams))
+    assert seen[0] == "Rotate the faucet clockwise"
+    assert seen[-1] == "Rotate the faucet counter-clockwise"  # the task's own description by default

@@ -32,6 +32,9 @@ class EvalConfig:
     """Rollout videos to save per task (the first episodes)."""
     video_camera: str = "corner2"
     """Camera shown in the videos."""
+    instructions: dict[str, str] = field(default_factory=dict)
+    """Task -> instruction to give the policy instead of the task's own (paraphrases, or a swapped instruction
+    as a language-following control), e.g. {faucet-open: "Rotate the faucet clockwise"}."""
     output_dir: str = ""
     """Report directory (default: <checkpoint>/../eval, or outputs/eval)."""
 
@@ -57,6 +60,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     checkpoint = resolve_checkpoint(cfg.checkpoint)
     policy_cfg = read_policy_config(checkpoint)
     tasks = resolve_tasks(cfg.tasks)
+    instructions = {resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
     names = [k.removeprefix("observation.images.") for k in policy_cfg.get("image_keys", [])]
     cameras = {n: CAMERA_ALIASES.get(n, n) for n in names}
@@ -74,6 +78,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
             image_size=int(policy_cfg.get("image_size", 64)),
             cameras=cameras,
             video_camera=cfg.video_camera,
+            instruction=instructions.get(task, ""),
         )
         for task in tasks
         for i in range(cfg.episodes)
@@ -89,6 +94,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         "seed": cfg.seed,
         "max_steps": cfg.max_steps,
         "episodes_per_task": cfg.episodes,
+        "instructions": instructions,
         "eval_seconds": elapsed,
     }
     summary = write_report(out_dir, results, tasks, meta)

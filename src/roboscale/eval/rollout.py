@@ -44,6 +44,8 @@ class RolloutJob:
     image_size: int
     cameras: dict[str, str] = field(default_factory=dict)
     video_camera: str = ""
+    instruction: str = ""
+    """What the policy is told to do (default: the task's own description)."""
 
 
 def observation_for_policy(obs: dict, description: str, image_keys: list[str]) -> dict:
@@ -69,10 +71,11 @@ def run_episode(policy, env, job: RolloutJob) -> EpisodeResult:
     success = False
     steps = 0
     image_keys = policy.config.image_keys
+    instruction = job.instruction or env.description
     for steps in range(1, job.max_steps + 1):
         if job.record_video:
             frames.append(obs["images"][job.video_camera])
-        action = policy.select_action(observation_for_policy(obs, env.description, image_keys))[0].numpy()
+        action = policy.select_action(observation_for_policy(obs, instruction, image_keys))[0].numpy()
         obs, reward, success, truncated, _ = env.step(action)
         rewards.append(reward)
         if success or truncated:

@@ -45,7 +45,7 @@ from roboscale.models.tokenizer import TaskTokenizer
 @register(PolicyConfig, "pi05")
 @dataclass
 class Pi05Config(PolicyConfig):
-    """pi0.5-style policy. Defaults are the CPU-trainable demo size (4.5M parameters, ~230 samples/s on 2 cores)."""
+    """pi0.5-style policy. Defaults are the CPU-trainable demo size (3.3M parameters, ~230 samples/s on 2 cores)."""
 
     vit_patch_size: int = 8
     """ViT patch size in pixels."""
@@ -62,7 +62,7 @@ class Pi05Config(PolicyConfig):
     """Embed patches with stride-2 3x3 convolutions instead of one patchify convolution (better at small data)."""
     width: int = 256
     """Language model (prefix) width."""
-    depth: int = 4
+    depth: int = 3
     """Layers of the language model and of the action expert (they run jointly, so depth is shared)."""
     num_heads: int = 4
     """Query heads (shared by both streams)."""

@@ -43,8 +43,9 @@ class PolicyConfig:
     """Square input resolution; frames of another size are resized on the fly."""
     chunk_size: int = 16
     """Actions predicted per inference call."""
-    n_action_steps: int = 8
-    """Actions executed from each predicted chunk before predicting again (the action queue length)."""
+    n_action_steps: int = 4
+    """Actions executed from each predicted chunk before predicting again (the action queue length). Re-planning
+    every 4 of the 16 steps (50 ms at 80 Hz) corrects small contact errors; 8 cost ~10 points of success."""
     fps: float = 0.0
     """Dataset frame rate (0: from the dataset); with chunk_size it defines the action window."""
 

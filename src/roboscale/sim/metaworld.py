@@ -81,6 +81,14 @@ SUITES: dict[str, tuple[str, ...]] = {
     # plus two tasks with a visible cue. See docs/benchmarks.md for the start-frame differences we measured.
     "demo": ("faucet-open-v3", "faucet-close-v3", "button-press-topdown-v3", "drawer-open-v3"),
 }
+# Pairs whose start scenes are nearly identical (mean abs pixel difference < 1 at 64², benchmarks/start_frames.py):
+# only the instruction tells the policy which one to do.
+INSTRUCTION_PAIRS = (
+    ("faucet-open-v3", "faucet-close-v3"),
+    ("door-lock-v3", "door-unlock-v3"),
+    ("handle-press-v3", "handle-pull-v3"),
+    ("push-v3", "push-back-v3"),
+)
 # Camera positions/fixes. corner2 is moved where LeRobot puts it so the whole table is in view.
 CAMERA_POSITIONS = {"corner2": (0.75, 0.075, 0.7)}
 FLIPPED_CAMERAS = {"corner", "corner2"}  # these come out upside-down from MuJoCo

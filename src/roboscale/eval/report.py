@@ -39,7 +39,8 @@ def summarize(results: list, tasks: list[str]) -> dict[str, Any]:
 def success_table(columns: dict[str, dict[str, Any]], tasks: list[str]) -> str:
     """A Markdown table of success per task for one or more evaluations (e.g. untrained vs trained)."""
     names = list(columns)
-    lines = ["| task | " + " | ".join(names) + " | mean steps (" + names[-1] + ") |"]
+    steps_header = "mean steps" if len(names) == 1 else f"mean steps ({names[-1]})"
+    lines = ["| task | " + " | ".join(names) + f" | {steps_header} |"]
     lines.append("|---|" + "---:|" * (len(names) + 1))
     for task in tasks:
         cells = [f"{columns[n]['per_task'][task]['success_rate']:.0%}" for n in names]

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # `roboscale data info DIR | head`
+            sys.stderr.close()
+            return 0
         return 0
 
 

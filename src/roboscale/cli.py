@@ -67,6 +67,15 @@ def _eval(argv: list[str]) -> None:
     print(f"report: {summary['report_dir']}/report.md")
 
 
+def _model_info(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.models.info import ModelInfoConfig, model_info
+
+    if argv and not argv[0].startswith("-"):  # `roboscale model info pi05`
+        argv = [f"--policy={argv[0]}", *argv[1:]]
+    print(model_info(parse(ModelInfoConfig, argv, prog="roboscale model info")))
+
+
 def _demo(argv: list[str]) -> None:
     from roboscale.config import parse
     from roboscale.demo import DemoConfig, run_demo
@@ -79,6 +88,9 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "generate": Command("run MetaWorld scripted experts and write a LeRobot v3.0 dataset", _generate),
         "info": Command("print a dataset's schema, episodes and tasks", _info),
         "tasks": Command("list the MetaWorld tasks and suites", _tasks),
+    },
+    "model": {
+        "info": Command("parameter count of a policy by component (meta-device build): model info pi05", _model_info),
     },
     "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
     "eval": Command("evaluate a checkpoint in closed loop in MetaWorld", _eval),

@@ -86,15 +86,15 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, ma
 class ViTBlock(nn.Module):
     """Pre-LayerNorm transformer block (SigLIP style), bidirectional attention over one image's patches."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0):
+    def __init__(self, dim: int, heads: int, mlp_dim: int):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, int(dim * mlp_ratio))
-        self.fc2 = nn.Linear(int(dim * mlp_ratio), dim)
+        self.fc1 = nn.Linear(dim, mlp_dim)
+        self.fc2 = nn.Linear(mlp_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
@@ -134,7 +134,7 @@ class VisionTransformer(nn.Module):
         dim: int,
         depth: int,
         heads: int,
-        mlp_ratio: float = 4.0,
+        mlp_dim: int = 0,
         pixel_shuffle: int = 1,
         conv_stem: bool = False,
     ):
@@ -149,7 +149,7 @@ class VisionTransformer(nn.Module):
         self.pixel_shuffle = pixel_shuffle
         self.patch_embed = conv_stem_embed(patch_size, dim) if conv_stem else nn.Conv2d(3, dim, patch_size, patch_size)
         self.pos_embed = nn.Parameter(torch.randn(1, self.grid * self.grid, dim) * 0.02)
-        self.blocks = nn.ModuleList([ViTBlock(dim, heads, mlp_ratio) for _ in range(depth)])
+        self.blocks = nn.ModuleList([ViTBlock(dim, heads, mlp_dim or 4 * dim) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.out_dim = dim * pixel_shuffle**2
         self.num_tokens = (self.grid // pixel_shuffle) ** 2

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roboscale.config import register
+from roboscale.errors import ConfigError
 from roboscale.models.attention import PrefixSuffixLayout, prefix_attention, suffix_attention
 from roboscale.models.flow_matching import euler_sample, noisy_actions, sample_time
 from roboscale.models.layers import (
@@ -55,6 +56,8 @@ class Pi05Config(PolicyConfig):
     """ViT blocks."""
     vit_heads: int = 2
     """ViT attention heads."""
+    vit_mlp_dim: int = 0
+    """ViT feed-forward size (0: 4 x vit_dim; SigLIP So400m uses 4304)."""
     pixel_shuffle: int = 4
     """Merge r x r neighbouring patch tokens into one before the language model (r^2 fewer prefix tokens; the
     merged token keeps every feature, so nothing is lost, and the language model can be wider for the same cost)."""
@@ -76,6 +79,9 @@ class Pi05Config(PolicyConfig):
     """Action expert width."""
     expert_mlp_dim: int = 512
     """Action expert feed-forward size."""
+    state_input: str = "token"
+    """How the state enters the prefix: "token" (one continuous token, the default at CPU scale) or "prompt"
+    (pi0.5's way: the normalized state digitized into 256 bins and written into the prompt as integers)."""
     max_language_tokens: int = 48
     """Instruction tokens kept (longer prompts are truncated)."""
     vocab_size: int = 0
@@ -173,6 +179,8 @@ class Pi05Policy(Policy):
                 "Pi05Config needs image_keys, state_dim, action_dim and vocab_size; build it with "
                 "roboscale.models.registry.build_policy(config, dataset_meta) to fill them from a dataset"
             )
+        if cfg.state_input not in STATE_INPUTS:
+            raise ConfigError(f"policy.state_input: {cfg.state_input!r} is not one of {sorted(STATE_INPUTS)}")
         self.tokenizer = tokenizer
         self.vision = VisionTransformer(
             cfg.image_size,
@@ -180,13 +188,14 @@ class Pi05Policy(Policy):
             cfg.vit_dim,
             cfg.vit_depth,
             cfg.vit_heads,
-            mlp_ratio=4.0,
+            mlp_dim=cfg.vit_mlp_dim,
             pixel_shuffle=cfg.pixel_shuffle,
             conv_stem=cfg.vit_conv_stem,
         )
         self.projector = nn.Linear(self.vision.out_dim, cfg.width)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.state_proj = nn.Linear(cfg.state_dim, cfg.width)
+        if cfg.state_input == "token":
+            self.state_proj = nn.Linear(cfg.state_dim, cfg.width)
         self.layers = nn.ModuleList(
             [JointLayer(cfg, prefix_output=i < cfg.depth - 1) for i in range(cfg.depth)]
         )
@@ -197,6 +206,18 @@ class Pi05Policy(Policy):
         self.action_out_proj = nn.Linear(ew, cfg.action_dim)
         self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm)
         self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm)
+
+    def parameter_note(self, total: int) -> str:
+        """How our count relates to LeRobot's ``num_learnable_params`` for the same architecture."""
+        cfg = self.config
+        last_layer = 2 * cfg.width * cfg.num_heads * cfg.head_dim + 3 * cfg.width * cfg.mlp_dim + cfg.width
+        lm_head = cfg.vocab_size * cfg.expert_width
+        return (
+            f"Not built, because nothing reads them: the last language-model layer's query/output projections\n"
+            f"and MLP ({last_layer / 1e6:.1f} M, which LeRobot computes and discards) and the action expert's\n"
+            f"lm_head ({lm_head / 1e6:.1f} M in LeRobot). Counted LeRobot's way: {(total + last_layer) / 1e9:.3f} B "
+            f"without the lm_head, {(total + last_layer + lm_head) / 1e9:.3f} B with it."
+        )
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def _images(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -216,15 +237,18 @@ class Pi05Policy(Policy):
             images = random_shift(images, self.config.random_shift)
         return images * 2.0 - 1.0
 
-    def _language(self, batch: dict[str, Any], device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _language(self, batch: dict[str, Any], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, L] and mask; tokenizes ``task`` strings unless the batch brings pre-tokenized ids."""
+        device = state.device
         if "observation.language.tokens" in batch:
-            return batch["observation.language.tokens"].to(device), batch["observation.language.attention_mask"].to(
-                device
-            )
+            tokens, mask = batch["observation.language.tokens"], batch["observation.language.attention_mask"]
+            return tokens.to(device), mask.to(device)
         if self.tokenizer is None:
             raise RuntimeError("this policy has no tokenizer; pass observation.language.tokens")
         tasks = batch["task"]
         tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+        if self.config.state_input == "prompt":
+            tasks = [state_prompt(task, s) for task, s in zip(tasks, state.detach().cpu(), strict=True)]
         ids, mask = self.tokenizer.encode_batch(tasks, self.config.max_language_tokens)
         return ids.to(device), mask.to(device)
 
@@ -235,11 +259,13 @@ class Pi05Policy(Policy):
         device = images.device
         image_tokens = self.projector(self.vision(images)).view(b, -1, self.config.width)
         state = self.state_normalizer.normalize(batch[self.config.state_key].float().to(device))
-        state_token = self.state_proj(state)[:, None]
-        ids, lang_mask = self._language(batch, device)
+        ids, lang_mask = self._language(batch, state)
         lang = self.embed_tokens(ids) * (self.config.width**0.5)  # Gemma scales embeddings by sqrt(width)
-        tokens = torch.cat([image_tokens, state_token, lang], dim=1)
-        ones = torch.ones(b, image_tokens.shape[1] + 1, dtype=torch.bool, device=device)
+        parts = [image_tokens, lang]
+        if self.config.state_input == "token":
+            parts.insert(1, self.state_proj(state)[:, None])
+        tokens = torch.cat(parts, dim=1)
+        ones = torch.ones(b, tokens.shape[1] - lang.shape[1], dtype=torch.bool, device=device)
         mask = torch.cat([ones, lang_mask.bool()], dim=1)
         positions = mask.long().cumsum(1) - 1
         return tokens, PrefixSuffixLayout(mask), positions
@@ -304,6 +330,17 @@ class Pi05Policy(Policy):
 
     def _load_extra(self, directory: Path) -> None:
         self.tokenizer = TaskTokenizer.from_file(directory / TOKENIZER_NAME)
+
+
+STATE_INPUTS = ("token", "prompt")
+STATE_BINS = 256
+
+
+def state_prompt(task: str, normalized_state: torch.Tensor) -> str:
+    """pi0.5's prompt: the state (normalized to [-1, 1]) digitized into 256 bins and written as integers."""
+    edges = torch.linspace(-1.0, 1.0, STATE_BINS + 1)[:-1]
+    bins = torch.bucketize(normalized_state.clamp(-1.0, 1.0), edges, right=True) - 1
+    return f"Task: {task}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
 
 
 def random_shift(images: torch.Tensor, pad: int) -> torch.Tensor:

@@ -107,11 +107,14 @@ class Policy(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, **overrides: Any) -> Policy:
         """Load a policy from a checkpoint directory (``.../pretrained_model``)."""
-        from roboscale.models.registry import get_policy_class
+        from roboscale.models.registry import POLICIES, get_policy_class
 
         directory = Path(directory)
         config_dict = read_policy_config(directory)
         policy_type = config_dict.get("type")
+        spec = POLICIES.get(policy_type)
+        if spec is not None and spec.foreign_loader is not None and spec.foreign_loader.detect(config_dict):
+            return spec.foreign_loader.load(directory, **overrides)  # e.g. a LeRobot pi0.5 checkpoint
         expected = getattr(cls, "name", None)
         if expected is not None and policy_type != expected:
             raise CheckpointError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from roboscale.errors import CheckpointError, ConfigError
@@ -21,6 +21,18 @@ class PolicySpec:
     policy_class: type[Policy]
     build: Callable[[PolicyConfig, object], Policy]
     """build(config, dataset_meta) -> a policy with dataset-derived fields and normalization stats filled in."""
+    presets: dict[str, dict] = field(default_factory=dict)
+    """Named sizes: config overrides on top of the defaults (the defaults are the CPU demo size)."""
+    foreign_loader: ForeignLoader | None = None
+    """Loads checkpoints written by another framework (LeRobot) for this policy type."""
+
+
+@dataclass(frozen=True)
+class ForeignLoader:
+    """``detect(config_dict)`` recognises another framework's config.json; ``load(directory, **kw)`` builds ours."""
+
+    detect: Callable[[dict], bool]
+    load: Callable[..., Policy]
 
 
 def _fill_from_dataset(cfg: PolicyConfig, meta) -> None:
@@ -52,8 +64,36 @@ def build_pi05(cfg: Pi05Config, meta) -> Pi05Policy:
     return policy
 
 
+PI05_PRESETS: dict[str, dict] = {
+    "demo": {},
+    # Unit tests: a few thousand parameters, milliseconds per step.
+    "tiny": dict(image_size=32, vit_dim=32, vit_depth=1, vit_heads=2, pixel_shuffle=2, width=48, depth=2,
+                 num_heads=2, head_dim=16, mlp_dim=64, expert_width=32, expert_mlp_dim=48),
+    # openpi / LeRobot pi0.5: SigLIP So400m/14 at 224, PaliGemma's Gemma 2B, a Gemma 300M action expert,
+    # 3 camera slots, 200 prompt tokens with the state written in, 50-step chunks, 32-d padded state/action.
+    "full": dict(image_size=224, vit_patch_size=14, vit_dim=1152, vit_depth=27, vit_heads=16, vit_mlp_dim=4304,
+                 vit_conv_stem=False, pixel_shuffle=1, width=2048, depth=18, num_heads=8, num_kv_heads=1,
+                 head_dim=256, mlp_dim=16384, expert_width=1024, expert_mlp_dim=4096, vocab_size=257152,
+                 state_input="prompt", max_language_tokens=200, chunk_size=50, n_action_steps=50, state_dim=32,
+                 action_dim=32, image_keys=["observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb",
+                                            "observation.images.right_wrist_0_rgb"]),
+}
+
+def _load_lerobot_pi05(directory, **overrides) -> Policy:
+    from roboscale.models.pi05_lerobot import load_lerobot_pi05
+
+    return load_lerobot_pi05(directory, tokenizer_path=overrides.get("tokenizer_path"))
+
+
 POLICIES: dict[str, PolicySpec] = {
-    "pi05": PolicySpec("pi05", Pi05Config, Pi05Policy, build_pi05),
+    "pi05": PolicySpec(
+        "pi05",
+        Pi05Config,
+        Pi05Policy,
+        build_pi05,
+        PI05_PRESETS,
+        ForeignLoader(detect=lambda config: "paligemma_variant" in config, load=_load_lerobot_pi05),
+    ),
 }
 
 
@@ -68,6 +108,14 @@ def get_policy_class(name: str | None, source: Path | None = None) -> type[Polic
         where = source if source is not None else Path("config.json")
         raise CheckpointError(where, f"unknown policy type {name!r}; this roboscale knows {sorted(POLICIES)}")
     return POLICIES[name].policy_class
+
+
+def preset_config(name: str, preset: str = "demo", **overrides) -> PolicyConfig:
+    """The config of a named size, e.g. ``preset_config("pi05", "full")``."""
+    spec = get_spec(name)
+    if preset not in spec.presets:
+        raise ConfigError(f"policy {name!r} has no preset {preset!r}; presets: {sorted(spec.presets)}")
+    return spec.config_class(**{**spec.presets[preset], **overrides})
 
 
 def build_policy(cfg: PolicyConfig, meta) -> Policy:

@@ -73,3 +73,37 @@ def dense_reference(
     # Query i may see key j iff j is real and (j in prefix or i in suffix).
     allowed = key_real[:, None, :] & (~is_suffix[None, None, :] | is_suffix[None, :, None])
     return _sdpa(q, k, v, allowed[:, None])
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention over packed segments (flash-attention's varlen convention): segment ``i`` owns query rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``; nothing crosses
+    segments. q: [Tq, H, D]; k, v: [Tk, Hkv, D] (Hkv divides H); returns [Tq, H, D]. ``causal`` aligns the
+    last query with the last key of a segment (flash-attention's bottom-right convention).
+
+    This is the per-segment SDPA reference; ``roboscale.models.attention`` grows faster backends behind the
+    same signature.
+    """
+    out = q.new_empty(q.shape)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+        if q1 == q0:
+            continue
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        mask = None
+        if causal:
+            lq, lk = q1 - q0, k1 - k0
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        out[q0:q1] = _sdpa(qs, ks, vs, mask)[0].transpose(0, 1)
+    return out

@@ -18,8 +18,9 @@ PAD, BOS = "<pad>", "<bos>"
 
 
 def normalize_task(text: str) -> str:
-    """The text the model reads: pi0.5's prompt cleaning (underscores to spaces, one line), lower-cased."""
-    return " ".join(text.replace("_", " ").split()).lower()
+    """pi0.5's prompt cleaning: underscores to spaces, one line. (Our trained tokenizer also lower-cases, inside
+    its own normalizer, so a PaliGemma or Qwen tokenizer.json sees the text with its case.)"""
+    return " ".join(text.replace("_", " ").split())
 
 
 class TaskTokenizer:
@@ -31,9 +32,10 @@ class TaskTokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 512) -> TaskTokenizer:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
@@ -51,11 +53,17 @@ class TaskTokenizer:
 
         path = Path(path)
         if not path.is_file():
-            raise CheckpointError(path, "tokenizer file not found (expected a Hugging Face tokenizer.json)")
+            raise CheckpointError(
+                path, "tokenizer file not found; point --policy.tokenizer_path at a Hugging Face tokenizer.json"
+            )
         try:
             return cls(Tokenizer.from_file(str(path)))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
-            raise CheckpointError(path, f"not a valid tokenizer.json ({exc})") from None
+            raise CheckpointError(
+                path,
+                f"not a valid tokenizer.json ({exc}); use the tokenizer.json of a Hugging Face tokenizer "
+                "(e.g. PaliGemma's or Qwen's), or leave --policy.tokenizer_path empty to train one on the tasks",
+            ) from None
 
     def save(self, path: str | Path) -> None:
         from roboscale.utils.io import atomic_write_bytes

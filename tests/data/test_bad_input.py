@@ -118,6 +118,92 @@ def test_episode_length_mismatch(small_copy: Path) -> None:
     assert err.value.episode == 2
 
 
+def _data_file_of(root: Path, ep: int) -> Path:
+    row = fmt.read_episodes(root)[ep]
+    return root / fmt.DEFAULT_DATA_PATH.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
+
+
+def test_truncated_data_parquet_names_its_episode(small_copy: Path) -> None:
+    path = _data_file_of(small_copy, 3)
+    path.write_bytes(path.read_bytes()[:64])
+    with pytest.raises(DatasetError, match="cannot read parquet") as err:
+        LeRobotDataset(root=small_copy)
+    assert (err.value.path, err.value.episode) == (path, 3)
+    ds = LeRobotDataset(root=small_copy, episodes=[0, 1, 2, 4])  # the other episodes stay readable
+    assert ds.num_episodes == 4
+
+
+def test_truncated_mp4_names_camera_and_episode(small_copy: Path) -> None:
+    path = small_copy / "videos" / FRONT / "chunk-000/file-000.mp4"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    ds = LeRobotDataset(root=small_copy)
+    last_in_file = max(e for e in range(len(SMALL_LENGTHS)) if ds.meta.video_path(e, FRONT) == path)
+    with pytest.raises(DatasetError) as err:
+        ds.decode_episode_video(last_in_file, FRONT)
+    assert (err.value.path, err.value.field, err.value.episode) == (path, FRONT, last_in_file)
+    last_frame = int(ds.meta.episode(last_in_file)["dataset_to_index"]) - 1
+    with pytest.raises(DatasetError) as err:
+        ds[last_frame]
+    assert (err.value.path, err.value.field, err.value.episode) == (path, FRONT, last_in_file)
+    assert "Traceback" not in str(err.value) and str(err.value).startswith(f"{path}: episode {last_in_file}: ")
+
+
+def test_corrupt_png_names_field_and_episode(small_copy: Path) -> None:
+    path = _data_file_of(small_copy, 1)
+    table = pq.read_table(path)
+    images = table["observation.image"].combine_chunks()
+    broken = pa.StructArray.from_arrays([pa.array([b"not a png"] * len(images), pa.binary()), images.field("path")],
+                                        names=["bytes", "path"])
+    table = table.set_column(table.schema.get_field_index("observation.image"), "observation.image", broken)
+    pq.write_table(table, path)
+    ds = LeRobotDataset(root=small_copy)
+    with pytest.raises(DatasetError, match="cannot decode PNG") as err:
+        ds[SMALL_LENGTHS[0]]  # first frame of episode 1
+    assert (err.value.path, err.value.field, err.value.episode) == (path, "observation.image", 1)
+    with pytest.raises(DatasetError) as err:
+        ds.read_episode(1)
+    assert (err.value.field, err.value.episode) == ("observation.image", 1)
+
+
+def test_timestamps_outside_tolerance(small_copy: Path) -> None:
+    path = _data_file_of(small_copy, 2)
+    table = pq.read_table(path)
+    timestamps = table["timestamp"].to_numpy().copy()
+    timestamps[3:] += np.float32(0.003)  # a dropped-frame-like jump of 3 ms
+    table = table.set_column(table.schema.get_field_index("timestamp"), "timestamp", pa.array(timestamps))
+    pq.write_table(table, path)
+    with pytest.raises(DatasetError, match="tolerance_s=0.0001") as err:
+        LeRobotDataset(root=small_copy)
+    assert (err.value.path, err.value.episode, err.value.field) == (path, 2, "timestamp")
+    assert "first at frame 3" in str(err.value)
+    assert len(LeRobotDataset(root=small_copy, tolerance_s=0.01)) == sum(SMALL_LENGTHS)  # LeRobot's knob
+
+
+def test_float32_timestamps_of_long_episodes_are_within_tolerance() -> None:
+    """float32 cannot hold k/fps to 1e-4 s after ~15 minutes; the check allows that rounding, not more."""
+    frame_index = np.arange(0, 30 * 3600 * 2, 997)  # two hours at 30 fps
+    exact = (frame_index / 30).astype(np.float32)
+    assert fmt.timestamp_problem(exact, frame_index, 30, 1e-4) is None
+    assert fmt.timestamp_problem(exact + np.float32(0.01), frame_index, 30, 1e-4) is not None
+
+
+@pytest.mark.parametrize("kind", ["gap", "duplicate"])
+def test_episode_index_gap_or_duplicate(small_copy: Path, kind: str) -> None:
+    path = small_copy / "meta/episodes/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    ids = table["episode_index"].to_numpy().copy()
+    ids[3:] += 1 if kind == "gap" else -1  # 0,1,2,4,5 or 0,1,2,2,3
+    pq.write_table(table.set_column(table.schema.get_field_index("episode_index"), "episode_index",
+                                    pa.array(ids)), path)
+    with pytest.raises(DatasetError) as err:
+        LeRobotDataset(root=small_copy)
+    assert err.value.field == "episode_index" and err.value.path == small_copy / "meta/episodes"
+    if kind == "gap":
+        assert err.value.episode == 3 and "episode 3 is missing" in str(err.value)
+    else:
+        assert err.value.episode == 2 and "more than once" in str(err.value)
+
+
 # --------------------------------------------------------------------------------------------------- writer
 
 

@@ -46,3 +46,23 @@ def batch(b=4, chunk=6, seed=0, tasks=None):
     out["action_is_pad"] = torch.zeros(b, chunk, dtype=torch.bool)
     out["task"] = tasks or [TASKS[i % len(TASKS)] for i in range(b)]
     return out
+
+
+def sample_dicts(n=5, chunk=6, seed=0, drop=((1, 1), (3, 0))):
+    """Per-sample LeRobot-style dicts (what a loader worker hands the transform) with varied prompts, some padded
+    action steps, and cameras missing from some samples: ``drop`` lists (sample, camera index) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    tasks = TASKS + ["Press the button from the top while avoiding the wall", "Go"]
+    out = []
+    for i in range(n):
+        s = {k: torch.randint(0, 256, (3, 32, 32), generator=g, dtype=torch.uint8) for k in CAMERAS}
+        for j, c in drop:
+            if j == i:
+                del s[CAMERAS[c]]
+        s["observation.state"] = torch.randn(4, generator=g)
+        s["action"] = torch.rand(chunk, 4, generator=g) * 2 - 1
+        s["action_is_pad"] = torch.arange(chunk) >= chunk - (i % 3)
+        s["task"] = tasks[i % len(tasks)]
+        s["episode_index"], s["frame_index"] = i, 10 * i
+        out.append(s)
+    return out

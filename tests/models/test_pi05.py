@@ -36,13 +36,15 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
 def test_cached_prefix_inference_matches_recomputing_the_prefix():
     policy = tiny_policy().eval()
     obs = batch(b=2)
-    tokens, layout, positions = policy.embed_prefix(obs)
-    cache = policy._prefix_cache(tokens, layout, positions)
+    packed = policy.as_packed_batch(obs)
+    tokens, layout = policy.embed_prefix(packed)
+    cache = policy._prefix_cache(tokens, layout)
     x = torch.randn(2, policy.config.chunk_size, 4)
     t = torch.full((2,), 0.7)
-    cached = policy._velocity(x, t, cache, layout, positions)
-    fresh_cache = policy._prefix_cache(*policy.embed_prefix(obs))
-    torch.testing.assert_close(cached, policy._velocity(x, t, fresh_cache, layout, positions))
+    for _ in range(3):  # Euler steps reuse the cache; it must not change underneath them
+        cached = policy._velocity(x, t, cache, layout)
+    fresh_cache = policy._prefix_cache(*policy.embed_prefix(packed))
+    torch.testing.assert_close(cached, policy._velocity(x, t, fresh_cache, layout))
 
 
 def test_language_changes_the_prediction():
@@ -95,9 +97,9 @@ def test_checkpoint_of_another_policy_type_is_refused(tmp_path):
     policy = tiny_policy()
     policy.save_pretrained(tmp_path / "ckpt")
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    cfg["type"] = "groot"
+    cfg["type"] = "octo"  # a policy type this roboscale does not know
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="config.json.*unknown policy type 'groot'"):
+    with pytest.raises(CheckpointError, match="config.json.*unknown policy type 'octo'"):
         Policy.from_pretrained(tmp_path / "ckpt")
 
 

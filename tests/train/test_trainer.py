@@ -40,9 +40,15 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_dataset,
     assert json.loads((final.parent / "training_state" / "training_step.json").read_text())["step"] == 60
 
 
-def test_resume_continues_exactly(tiny_dataset, tmp_path):
-    straight = train(tiny_train_config(tiny_dataset, tmp_path / "a", steps=8), progress=False)
-    train(tiny_train_config(tiny_dataset, tmp_path / "b", steps=8, save_freq=4), progress=False)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_exactly(tiny_dataset, tmp_path, workers):
+    def config(out, **kw):
+        cfg = tiny_train_config(tiny_dataset, out, steps=8, **kw)
+        cfg.dataset.num_workers = workers
+        return cfg
+
+    straight = train(config(tmp_path / "a"), progress=False)
+    train(config(tmp_path / "b", save_freq=4), progress=False)
     # Simulate a run killed after step 4: drop the final checkpoint and point `last` back to step 4.
     import shutil
 
@@ -50,7 +56,7 @@ def test_resume_continues_exactly(tiny_dataset, tmp_path):
     shutil.rmtree(ckpts / "000008")
     (ckpts / "last").unlink()
     (ckpts / "last").symlink_to("000004")
-    resumed = train(tiny_train_config(tiny_dataset, tmp_path / "b", steps=8, resume=True), progress=False)
+    resumed = train(config(tmp_path / "b", resume=True), progress=False)
     a = load_file(str(straight / "model.safetensors"))
     b = load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -71,3 +77,47 @@ def test_a_camera_missing_from_the_dataset_is_a_clear_error(tiny_dataset, tmp_pa
     cfg.policy.image_keys = ["observation.images.top"]
     with pytest.raises(ValueError, match=r"cameras \['observation.images.top'\] are not in the dataset"):
         train(cfg, progress=False)
+
+
+def test_training_logs_data_wait_and_hands_the_policys_data_transforms_to_the_loader(tiny_dataset, tmp_path,
+                                                                                     monkeypatch):
+    import roboscale.data.loader as loader_module
+
+    calls = []
+    build = loader_module.build_loader
+
+    def spy(source, **kw):
+        calls.append(kw)
+        return build(source, **kw)
+
+    monkeypatch.setattr(loader_module, "build_loader", spy)
+    cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=5)
+    cfg.dataset.num_workers = 1
+    train(cfg, progress=False)
+    (kw,) = calls
+    assert kw["num_workers"] == 1 and kw["batch_size"] == 16
+    assert kw["keys"] == [*cfg.policy.image_keys, "observation.state", "action"]
+    assert len(kw["delta_timestamps"]["action"]) == cfg.policy.chunk_size
+    policy = Policy.from_pretrained(tmp_path / "run" / "checkpoints" / "last" / "pretrained_model")
+    if hasattr(policy, "data_transforms"):  # worker-side normalization/tokenization/packing
+        transform, collate = policy.data_transforms()
+        assert type(kw["transform"]) is type(transform) and type(kw["collate"]) is type(collate)
+    else:
+        assert kw["transform"] is None and kw["collate"] is None
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    waits = [e.value for e in acc.Scalars("train/data_wait")]
+    assert waits and all(0.0 <= w <= 1.0 for w in waits)
+    assert [e.value for e in acc.Scalars("loader/batches")][-1] == 5
+
+
+def test_cli_skip_bad_episodes_flag_sets_the_dataset_option(monkeypatch, tmp_path):
+    import roboscale.train.trainer as trainer
+    from roboscale.cli import main
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg) or tmp_path)
+    main(["train", "--skip-bad-episodes", "--dataset.num_workers=3"])
+    assert seen[0].dataset.skip_bad_episodes is True and seen[0].dataset.num_workers == 3

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,7 +207,7 @@ def check_codebase_version(version: Any, path: Path) -> None:
         raise DatasetError(
             path,
             f"dataset is in the old LeRobot {version} format; convert it to {CODEBASE_VERSION} first "
-            "(python -m lerobot.scripts.convert_dataset_v21_to_v30 --repo-id=<repo_id>)",
+            f"(roboscale data convert {path.parent.parent} NEW_DIR)",
             field="codebase_version",
         )
     if major > 3:
@@ -274,26 +274,67 @@ def write_info(root: str | Path, info: DatasetInfo) -> None:
     atomic_write_bytes(Path(root) / INFO_PATH, data)
 
 
+def error_message(err: DatasetError) -> str:
+    """The message of a DatasetError without its ``path: episode: field:`` prefix."""
+    text = str(err)
+    prefix = [str(err.path)]
+    if err.episode is not None:
+        prefix.append(f"episode {err.episode}")
+    if err.field is not None:
+        prefix.append(f"field {err.field!r}")
+    head = ": ".join(prefix) + ": "
+    return text[len(head):] if text.startswith(head) else text
+
+
+def locate_error(err: DatasetError, *, field: str | None = None, episode: int | None = None) -> DatasetError:
+    """``err`` with the field and episode filled in where the low-level code (a decoder, a file reader) could not
+    know them; what it already names is kept."""
+    return DatasetError(err.path, error_message(err), field=err.field if err.field is not None else field,
+                        episode=err.episode if err.episode is not None else episode)
+
+
+def timestamp_problem(timestamps: np.ndarray, frame_index: np.ndarray, fps: int, tolerance_s: float) -> str | None:
+    """Why ``timestamps`` are not ``frame_index / fps`` within ``tolerance_s`` (None when they are).
+
+    LeRobot stores float32 timestamps, whose rounding grows with the value (~2.4e-4 s at one hour), so one float32
+    step of the expected value is allowed on top of the tolerance."""
+    expected = frame_index.astype(np.float64) / fps
+    allowed = tolerance_s + np.spacing(expected.astype(np.float32)).astype(np.float64)
+    off = np.abs(timestamps.astype(np.float64) - expected)
+    bad = off > allowed
+    if not bad.any():
+        return None
+    first = int(np.argmax(bad))
+    return (f"{int(bad.sum())} timestamps differ from frame_index/fps by more than tolerance_s={tolerance_s} "
+            f"(first at frame {int(frame_index[first])}: {float(timestamps[first]):.6f}s, expected "
+            f"{expected[first]:.6f}s; largest gap {off.max():.6f}s)")
+
+
 # --------------------------------------------------------------------------------------------------- parquet io
 
 
-def read_parquet(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
-    """Read a whole parquet file; a missing or corrupt file becomes a DatasetError naming it."""
+def _parquet_call(path: Path, fn: Callable[[], Any]) -> Any:
+    """Run a pyarrow parquet call; a missing or corrupt file becomes a DatasetError naming it."""
     try:
-        return pq.read_table(path, columns=list(columns) if columns is not None else None)
+        return fn()
     except FileNotFoundError:
         raise DatasetError(path, "file not found") from None
     except (pa.ArrowException, OSError) as e:
         raise DatasetError(path, f"cannot read parquet: {e}") from None
+
+
+def read_parquet(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
+    """Read a whole parquet file."""
+    return _parquet_call(path, lambda: pq.read_table(path, columns=list(columns) if columns is not None else None))
 
 
 def read_parquet_schema(path: Path) -> pa.Schema:
-    try:
-        return pq.read_schema(path)
-    except FileNotFoundError:
-        raise DatasetError(path, "file not found") from None
-    except (pa.ArrowException, OSError) as e:
-        raise DatasetError(path, f"cannot read parquet: {e}") from None
+    return _parquet_call(path, lambda: pq.read_schema(path))
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """Open a parquet file for row-group reads."""
+    return _parquet_call(path, lambda: pq.ParquetFile(path))
 
 
 # --------------------------------------------------------------------------------------------------- tasks

@@ -50,6 +50,7 @@ class LeRobotDatasetMetadata:
         self.stats = fmt.read_stats(self.root)
         ids = self.episodes["episode_index"]
         self._row_of = {int(e): i for i, e in enumerate(ids)}
+        self._check_episode_indices(ids)
         if len(self.episodes) != self.info.total_episodes:
             raise DatasetError(self.root / fmt.INFO_PATH, f"says {self.info.total_episodes} episodes but "
                                f"meta/episodes has {len(self.episodes)}", field="total_episodes")
@@ -58,6 +59,18 @@ class LeRobotDatasetMetadata:
                 if f"videos/{key}/{suffix}" not in self.episodes:
                     raise DatasetError(self.root / fmt.EPISODES_DIR, "column missing from episodes metadata",
                                        field=f"videos/{key}/{suffix}")
+
+    def _check_episode_indices(self, ids: np.ndarray) -> None:
+        """Episodes must be 0..n-1: LeRobot looks rows up by episode index, so a gap or a duplicate breaks it."""
+        where = self.root / fmt.EPISODES_DIR
+        if len(self._row_of) != len(ids):
+            duplicate = int(next(e for e, c in zip(*np.unique(ids, return_counts=True), strict=True) if c > 1))
+            raise DatasetError(where, "listed more than once", field="episode_index", episode=duplicate)
+        if len(ids) and (int(ids[0]) != 0 or int(ids[-1]) != len(ids) - 1):  # sorted and unique: ends decide
+            missing = next(e for e in range(len(ids) + 1) if e not in self._row_of)
+            raise DatasetError(where, f"episode indices must be 0..{len(ids) - 1} without gaps; episode {missing} "
+                                      "is missing (run `roboscale data validate` for every problem)",
+                               field="episode_index", episode=missing)
 
     # ------------------------------------------------------------------ info shortcuts
 
@@ -153,7 +166,11 @@ def _decode_image(struct: pa.StructArray, row: int, channels: int, root: Path, p
         ref = struct.field("path")[row].as_py()
         if ref is None:
             raise DatasetError(path, f"image row {row} has neither bytes nor path")
-        data = (Path(ref) if Path(ref).is_absolute() else root / ref).read_bytes()
+        file = Path(ref) if Path(ref).is_absolute() else root / ref
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise DatasetError(file, f"cannot read the image file row {row} of {path} refers to: {e}") from None
     return decode_png(data, channels, source=path)
 
 
@@ -263,7 +280,11 @@ class LeRobotDataset(torch.utils.data.Dataset):
             by_file.setdefault(self.meta.data_path(ep), set()).add(ep)
         parts: dict[str, list[Any]] = {k: [] for k in self._parquet_keys}
         for path, wanted in sorted(by_file.items()):
-            table = self._read_data_file(path, wanted)
+            try:
+                table = self._read_data_file(path, wanted)
+            except DatasetError as e:  # a missing or corrupt file: name the first episode it holds
+                raise fmt.locate_error(e, episode=min(wanted)) from None
+            self._check_timestamps(path, table)
             for key in self._parquet_keys:
                 parts[key].append(column_to_numpy(table[key], self.features[key], path, key))
         columns = {k: (pa.concat_arrays(v) if isinstance(v[0], pa.Array) else np.concatenate(v))
@@ -281,6 +302,18 @@ class LeRobotDataset(torch.utils.data.Dataset):
                                                             f"length {length}", episode=ep)
         self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self._lengths = lengths
+
+    def _check_timestamps(self, path: Path, table: pa.Table) -> None:
+        """``timestamp`` must be ``frame_index / fps`` within ``tolerance_s``: video frames are looked up by it."""
+        timestamps, frame_index = table["timestamp"].to_numpy(), table["frame_index"].to_numpy()
+        if fmt.timestamp_problem(timestamps, frame_index, self.fps, self.tolerance_s) is None:
+            return
+        episode_ids = table["episode_index"].to_numpy()
+        for ep in np.unique(episode_ids):  # name the first episode at fault
+            rows = episode_ids == ep
+            message = fmt.timestamp_problem(timestamps[rows], frame_index[rows], self.fps, self.tolerance_s)
+            if message is not None:
+                raise DatasetError(path, message, field="timestamp", episode=int(ep))
 
     @staticmethod
     def _to_item_dtype(values: Any) -> Any:
@@ -369,10 +402,17 @@ class LeRobotDataset(torch.utils.data.Dataset):
             video_path, from_timestamp = locations[pos]
             rows = queries[key][0] if key in queries else np.array([idx])
             times = self._columns["timestamp"][rows].astype(np.float64) + from_timestamp
-            frames = self._camera_tensor(decode_frames(video_path, times, self.tolerance_s))
+            try:
+                decoded = decode_frames(video_path, times, self.tolerance_s)
+            except DatasetError as e:
+                raise fmt.locate_error(e, field=key, episode=int(self._selected[pos])) from None
+            frames = self._camera_tensor(decoded)
             item[key] = frames if key in queries else frames[0]
         for key in self._parquet_keys:
-            item[key] = self._values(key, queries[key][0] if key in queries else idx, data_path)
+            try:
+                item[key] = self._values(key, queries[key][0] if key in queries else idx, data_path)
+            except DatasetError as e:  # an undecodable image
+                raise fmt.locate_error(e, field=key, episode=int(self._selected[pos])) from None
         for key, (_, pad) in queries.items():
             item[f"{key}_is_pad"] = pad
         if self.image_transforms is not None:
@@ -388,12 +428,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             self._parquet_files, self._parquet_pid = {}, os.getpid()
         handle = self._parquet_files.get(path)
         if handle is None:
-            try:
-                handle = pq.ParquetFile(path)
-            except FileNotFoundError:
-                raise DatasetError(path, "file not found") from None
-            except (pa.ArrowException, OSError) as e:
-                raise DatasetError(path, f"cannot read parquet: {e}") from None
+            handle = fmt.open_parquet(path)
             self._parquet_files[path] = handle
         return handle
 
@@ -402,10 +437,13 @@ class LeRobotDataset(torch.utils.data.Dataset):
         image columns decoded to uint8 [N, H, W, C]), read from the episode's row group(s) only."""
         row = self.meta.episode(ep)
         path = self.meta.data_path(ep)
-        parquet = self._parquet_file(path)
+        try:
+            parquet = self._parquet_file(path)
+        except DatasetError as e:
+            raise fmt.locate_error(e, episode=ep) from None
         missing = [k for k in self._parquet_keys if k not in parquet.schema_arrow.names]
         if missing:
-            raise DatasetError(path, "column missing from the data file", field=missing[0])
+            raise DatasetError(path, "column missing from the data file", field=missing[0], episode=ep)
         try:
             table = parquet.read_row_groups(_row_groups_with(parquet, "episode_index", ep), columns=self._parquet_keys)
         except (pa.ArrowException, OSError) as e:
@@ -416,10 +454,14 @@ class LeRobotDataset(torch.utils.data.Dataset):
                                      f"{row['length']}", episode=ep)
         out = {}
         for key in self._parquet_keys:
-            values = column_to_numpy(table[key], self.features[key], path, key)
-            if self.features[key]["dtype"] == "image":
-                channels = fmt.image_hwc(self.features[key])[2]
-                values = np.stack([_decode_image(values, i, channels, self.root, path) for i in range(len(values))])
+            try:
+                values = column_to_numpy(table[key], self.features[key], path, key)
+                if self.features[key]["dtype"] == "image":
+                    channels = fmt.image_hwc(self.features[key])[2]
+                    values = np.stack([_decode_image(values, i, channels, self.root, path)
+                                       for i in range(len(values))])
+            except DatasetError as e:
+                raise fmt.locate_error(e, field=key, episode=ep) from None
             out[key] = values
         return out
 
@@ -429,7 +471,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
             raise KeyError(f"{key!r} is not a video feature; video keys: {self.meta.video_keys}")
         path = self.meta.video_path(ep, key)
         from_ts, to_ts = self.meta.video_span(ep, key)
-        frames = decode_range(path, from_ts, to_ts)
+        try:
+            frames = decode_range(path, from_ts, to_ts)
+        except DatasetError as e:
+            raise fmt.locate_error(e, field=key, episode=ep) from None
         length = self.meta.episode(ep)["length"]
         if len(frames) != length:
             raise DatasetError(path, f"decoded {len(frames)} frames between {from_ts}s and {to_ts}s, the episode has "

@@ -2,16 +2,27 @@
 
 The loader (``roboscale.data.loader``) never knows whether frames come from a raw LeRobot v3.0 dataset (parquet
 + mp4) or from compiled lake shards (``roboscale.data.lake``); it sees a ``FrameSource``. A source is created
-in the main process (cheap: metadata only, picklable) and ``open()``-ed lazily inside each loader worker, where
+in the main process (cheap: metadata only, picklable) and opens its files lazily inside each loader worker, where
 it may keep file handles and decoders (bounded: resident memory must not grow with the number of files).
+
+``open_source(path)`` picks the implementation from what the directory holds, through a small registry of
+openers (``register_opener``): a lake root (``manifest.json`` with ``"format": "roboscale-lake"``) opens as
+``roboscale.data.lake_source.LakeSource``; a directory with ``meta/info.json`` as
+``roboscale.data.raw_source.RawSource``.
+Openers import their module lazily, so a missing optional backend only matters to datasets that need it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from roboscale.errors import DatasetError
 
 
 @runtime_checkable
@@ -54,3 +65,74 @@ class FrameSource(Protocol):
     def close(self) -> None:
         """Release file handles and decoders (the source can be read again afterwards; it reopens lazily)."""
         ...
+
+
+# --------------------------------------------------------------------------------------------------- openers
+
+
+@dataclass(frozen=True)
+class SourceOpener:
+    """Opens a ``FrameSource`` for paths ``detect`` accepts; ``open(path, **options)`` imports its backend lazily."""
+
+    name: str
+    detect: Callable[[Path], bool]
+    open: Callable[..., FrameSource]
+
+
+_OPENERS: list[SourceOpener] = []
+
+
+def register_opener(opener: SourceOpener, *, first: bool = False) -> None:
+    """Add an opener; the first one whose ``detect`` accepts a path opens it."""
+    if first:
+        _OPENERS.insert(0, opener)
+    else:
+        _OPENERS.append(opener)
+
+
+def open_source(path: str | Path, **options: Any) -> FrameSource:
+    """The ``FrameSource`` for a dataset directory, from the first registered opener that recognizes it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DatasetError(path, "dataset directory not found")
+    for opener in _OPENERS:
+        if opener.detect(path):
+            return opener.open(path, **options)
+    raise DatasetError(path, "not a dataset: expected meta/info.json (LeRobot v3.0) or a roboscale lake "
+                             f"manifest.json; known formats: {[o.name for o in _OPENERS]}")
+
+
+LAKE_FORMAT = "roboscale-lake"
+
+
+def _is_lake(path: Path) -> bool:
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("format") == LAKE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _open_lake(path: Path, **options: Any) -> FrameSource:
+    try:
+        from roboscale.data.lake_source import LakeSource
+    except ImportError as e:
+        raise DatasetError(path, f"is a roboscale lake, but roboscale.data.lake_source cannot be imported: {e}"
+                           ) from None
+    return LakeSource(path, **options)
+
+
+def _is_raw(path: Path) -> bool:
+    return (path / "meta" / "info.json").is_file()
+
+
+def _open_raw(path: Path, **options: Any) -> FrameSource:
+    from roboscale.data.raw_source import RawSource
+
+    return RawSource(path, **options)
+
+
+register_opener(SourceOpener("roboscale-lake", _is_lake, _open_lake))
+register_opener(SourceOpener("lerobot-v3.0", _is_raw, _open_raw))

@@ -62,8 +62,10 @@ def _encoder_options(codec: str, g: int, crf: int, preset: int, fast_decode: int
         options["preset"] = str(preset)
         if fast_decode:
             options["svtav1-params"] = f"fast-decode={fast_decode}"
-    elif codec == "libx264":
+    elif codec in ("libx264", "libx265"):
         options["preset"] = _X264_PRESET
+        if codec == "libx265":
+            options["x265-params"] = "log-level=error"  # x265 prints a banner and a summary per file otherwise
     return options
 
 
@@ -222,7 +224,8 @@ _CACHE = _VideoCache(VIDEO_CACHE_SIZE)
 os.register_at_fork(after_in_child=_CACHE.reset_after_fork)
 
 
-def _open_video(path: Path) -> _OpenVideo:
+def open_video_stream(path: Path) -> tuple[av.container.InputContainer, av.VideoStream]:
+    """Open a video file for decoding; a missing, corrupt or stream-less file becomes a DatasetError naming it."""
     if not path.is_file():
         raise DatasetError(path, "video file not found")
     try:
@@ -232,14 +235,33 @@ def _open_video(path: Path) -> _OpenVideo:
     if not container.streams.video:
         container.close()
         raise DatasetError(path, "file has no video stream")
-    return _OpenVideo(container, container.streams.video[0])
+    return container, container.streams.video[0]
+
+
+def _open_video(path: Path) -> _OpenVideo:
+    return _OpenVideo(*open_video_stream(path))
 
 
 def _frames_between(video: _OpenVideo, start_s: float, stop_s: float) -> list[tuple[float, av.VideoFrame]]:
-    """Decoded (time, frame) pairs from the keyframe at/before ``start_s`` until the first frame at/after ``stop_s``."""
+    """Decoded (time, frame) pairs from the keyframe at/before ``start_s`` until the first frame at/after ``stop_s``.
+
+    With B-frames (HEVC/H.264 from other encoders) the demuxer seeks by decode time, which can land on a keyframe
+    whose first *presented* frame is already past ``start_s``; then we seek again from further back (doubling the
+    margin, finally from the file start) so the frames at ``start_s`` are not skipped.
+    """
+    margin = 0.0
+    while True:
+        seek_s = max(0.0, start_s - margin)
+        decoded = _decode_from(video, seek_s, stop_s)
+        if not decoded or decoded[0][0] <= start_s + 1e-6 or seek_s == 0.0:
+            return decoded
+        margin = max(2 * margin, 1.0)
+
+
+def _decode_from(video: _OpenVideo, seek_s: float, stop_s: float) -> list[tuple[float, av.VideoFrame]]:
     stream = video.stream
     time_base = stream.time_base
-    video.container.seek(max(0, int(start_s / time_base)), stream=stream, backward=True, any_frame=False)
+    video.container.seek(max(0, int(seek_s / time_base)), stream=stream, backward=True, any_frame=False)
     decoded: list[tuple[float, av.VideoFrame]] = []
     for frame in video.container.decode(stream):
         if frame.pts is None:
@@ -303,6 +325,19 @@ def decode_range(path: str | Path, from_ts: float, to_ts: float) -> np.ndarray:
         if not frames:
             raise DatasetError(path, f"no frames decoded between {from_ts:.6f}s and {to_ts:.6f}s")
         return np.stack(frames)
+
+    return _with_video(path, work)
+
+
+def frame_times(path: str | Path, from_ts: float, to_ts: float) -> np.ndarray:
+    """Presentation times (seconds, float64) of the frames ``decode_range`` would return: every frame is decoded
+    (so corrupt data is found) but not converted to RGB. For checking spans against what the metadata claims."""
+
+    def work(video: _OpenVideo) -> np.ndarray:
+        rate = video.stream.average_rate or video.stream.guessed_rate
+        half = 0.5 / float(rate) if rate else 1e-4
+        decoded = _frames_between(video, from_ts, to_ts - half)
+        return np.array([t for t, _ in decoded if from_ts - half <= t < to_ts - half], dtype=np.float64)
 
     return _with_video(path, work)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from roboscale.models.groot import component_of as groot_component
 from roboscale.models.registry import get_spec, preset_config
 
 
@@ -15,15 +17,15 @@ class ModelInfoConfig:
     """`roboscale model info`: parameter breakdown of a policy at a named size, built on the meta device."""
 
     policy: str = "pi05"
-    """Policy type."""
+    """Policy type (pi05 or groot)."""
     preset: str = "full"
     """Named size: full (the published architecture), demo (the CPU demo) or tiny (unit tests)."""
     overrides: dict[str, str] = field(default_factory=dict)
     """Config fields to change on top of the preset, e.g. {depth: 12}."""
 
 
-# Top-level module -> the component name users know. Joint layers are split into their two streams.
-COMPONENTS = {
+# pi0.5: top-level module -> the component name users know. Joint layers are split into their two streams.
+PI05_COMPONENTS = {
     "vision": "vision encoder (ViT)",
     "projector": "image projector",
     "embed_tokens": "token embeddings",
@@ -35,17 +37,25 @@ COMPONENTS = {
 }
 
 
-def component_of(name: str) -> str:
+def pi05_component(name: str) -> str:
     top = name.split(".")[0]
     if top == "layers":
         return "action expert layers" if ".expert_" in name else "language model layers"
-    return COMPONENTS.get(top, top)
+    return PI05_COMPONENTS.get(top, top)
 
 
-def parameter_breakdown(model: torch.nn.Module) -> dict[str, int]:
+# Policy type -> parameter name -> component name.
+COMPONENT_NAMERS: dict[str, Callable[[str], str]] = {"pi05": pi05_component, "groot": groot_component}
+
+
+def component_of(name: str, policy: str = "pi05") -> str:
+    return COMPONENT_NAMERS.get(policy, lambda n: n.split(".")[0])(name)
+
+
+def parameter_breakdown(model: torch.nn.Module, policy: str = "pi05") -> dict[str, int]:
     counts: dict[str, int] = defaultdict(int)
     for name, param in model.named_parameters():
-        counts[component_of(name)] += param.numel()
+        counts[component_of(name, policy)] += param.numel()
     return dict(counts)
 
 
@@ -63,7 +73,7 @@ def model_info(cfg: ModelInfoConfig) -> str:
     config.vocab_size = config.vocab_size or 512
     with torch.device("meta"):
         model = spec.policy_class(config)
-    counts = parameter_breakdown(model)
+    counts = parameter_breakdown(model, cfg.policy)
     total = sum(counts.values())
     lines = [f"{cfg.policy} ({cfg.preset}): {total / 1e9:.3f} B parameters" if total > 1e8 else
              f"{cfg.policy} ({cfg.preset}): {total / 1e6:.2f} M parameters"]

@@ -46,17 +46,21 @@ class AdaRMSNorm(nn.Module):
         return normed * (1.0 + scale) + shift, 1.0 + gate
 
 
-class GatedMLP(nn.Module):
-    """Gemma's GeGLU feed-forward: down(gelu(gate(x)) * up(x))."""
+_GATE_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
-    def __init__(self, dim: int, hidden: int):
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward down(act(gate(x)) * up(x)): GeGLU (Gemma, ``gelu_tanh``) or SwiGLU (Qwen/Llama, ``silu``)."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "gelu_tanh"):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.activation = _GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 def rotary_tables(position_ids: torch.Tensor, head_dim: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +157,13 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.out_dim = dim * pixel_shuffle**2
         self.num_tokens = (self.grid // pixel_shuffle) ** 2
+
+    @classmethod
+    def from_config(cls, cfg) -> VisionTransformer:
+        """The per-camera encoder a policy config describes (its ``image_size`` and ``vit_*`` / ``pixel_shuffle``
+        fields, shared by pi0.5 and GR00T)."""
+        return cls(cfg.image_size, cfg.vit_patch_size, cfg.vit_dim, cfg.vit_depth, cfg.vit_heads,
+                   mlp_dim=cfg.vit_mlp_dim, pixel_shuffle=cfg.pixel_shuffle, conv_stem=cfg.vit_conv_stem)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """images: float [N, 3, H, W] in [-1, 1] -> tokens [N, num_tokens, out_dim]."""

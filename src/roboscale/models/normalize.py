@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -48,15 +49,43 @@ class Normalizer(nn.Module):
         self.b.copy_(torch.as_tensor(stats[keys[1]], dtype=torch.float32).reshape(-1))
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode is NormMode.IDENTITY:
-            return x
-        if self.mode is NormMode.MEAN_STD:
-            return (x - self.a) / (self.b + self.eps)
-        return 2.0 * (x - self.a) / (self.b - self.a).clamp_min(self.eps) - 1.0
+        return _normalize(self.mode, self.a, self.b, self.eps, x)
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode is NormMode.IDENTITY:
-            return x
-        if self.mode is NormMode.MEAN_STD:
-            return x * (self.b + self.eps) + self.a
-        return (x + 1.0) * 0.5 * (self.b - self.a).clamp_min(self.eps) + self.a
+        return _unnormalize(self.mode, self.a, self.b, self.eps, x)
+
+    def snapshot(self) -> NormStats:
+        """A plain, picklable CPU copy of the statistics (for data-loader workers)."""
+        return NormStats(self.mode, self.a.detach().cpu().clone(), self.b.detach().cpu().clone(), self.eps)
+
+
+@dataclass
+class NormStats:
+    """The statistics of a ``Normalizer`` without the module: what data-loader workers normalize with."""
+
+    mode: NormMode
+    a: torch.Tensor
+    b: torch.Tensor
+    eps: float = 1e-6
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return _normalize(self.mode, self.a, self.b, self.eps, x)
+
+    def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
+        return _unnormalize(self.mode, self.a, self.b, self.eps, x)
+
+
+def _normalize(mode: NormMode, a: torch.Tensor, b: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    if mode is NormMode.IDENTITY:
+        return x
+    if mode is NormMode.MEAN_STD:
+        return (x - a) / (b + eps)
+    return 2.0 * (x - a) / (b - a).clamp_min(eps) - 1.0
+
+
+def _unnormalize(mode: NormMode, a: torch.Tensor, b: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    if mode is NormMode.IDENTITY:
+        return x
+    if mode is NormMode.MEAN_STD:
+        return x * (b + eps) + a
+    return (x + 1.0) * 0.5 * (b - a).clamp_min(eps) + a

@@ -10,6 +10,11 @@ Structure (as openpi / LeRobot pi0.5, scaled by config):
 - flow-matching loss on the action chunk; inference caches the prefix keys/values once and runs only the action
   expert for each of the Euler steps.
 
+Batches are ``PackedBatch``es (``roboscale.data.packing``): with ``packing`` on, all samples share one flat token
+stream (no empty camera slots, no language padding) and attention is two segment-aware calls per layer (prefix
+varlen self-attention; actions over [their prefix, themselves]) on the configured backend; with it off, one
+padded row per sample and key-padding masks. ``forward`` also takes LeRobot-style dict batches (collated here).
+
 Departure from pi0.5, on purpose: the state enters as one continuous token (a linear projection, as in pi0.5's
 MEM variant) instead of 256-bin digits written into the prompt. With a tokenizer trained on a few task strings
 and a few thousand frames, digit tokens would have to learn numeracy from scratch; the projection does not.
@@ -17,7 +22,7 @@ and a few thousand frames, digit tokens would have to learn numeracy from scratc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +32,21 @@ from torch import nn
 
 from roboscale.config import register
 from roboscale.errors import ConfigError
-from roboscale.models.attention import PrefixSuffixLayout, prefix_attention, suffix_attention
+from roboscale.data.packing import PackCollate, PackedBatch, PrefixSpec, TokenizedSample
+from roboscale.models.attention import (
+    BACKENDS,
+    PrefixSuffixLayout,
+    pick_backend,
+    prefix_attention,
+    suffix_attention,
+    varlen_attention,
+)
 from roboscale.models.flow_matching import euler_sample, noisy_actions, sample_time
 from roboscale.models.layers import (
     AdaRMSNorm,
     GatedMLP,
     RMSNorm,
     VisionTransformer,
-    apply_rotary,
     rotary_tables,
     sinusoidal_embedding,
 )
@@ -105,13 +117,131 @@ class Pi05Config(PolicyConfig):
     must learn (measured: the policy then ignores where the button is; see docs/benchmarks.md)."""
     action_loss_mask: bool = True
     """Exclude actions past the episode end (``action_is_pad``) from the loss."""
+    attention_backend: str = "auto"
+    """Attention kernel: auto (flash varlen on CUDA in bf16/fp16, else compiled flex, else per-segment SDPA; on CPU
+    SDPA), varlen, flex, sdpa, dense (materialised mask: the numerical reference) or eager (LeRobot's)."""
+    packing: bool = False
+    """Pack each batch into one token stream: empty camera slots are not encoded, language padding is dropped and
+    attention is confined to each sample by cu_seqlens. Off: one padded row per sample (LeRobot's layout) with
+    key-padding masks. Off at demo size, where a sample is ~20 tokens: there is no padding worth removing and
+    per-segment kernels cost Python time on CPU; turn it on for pi0.5-sized inputs (256 tokens per camera)."""
+    pad_language_to: int = 0
+    """Padded layout only: language positions per row (LeRobot pads to 200); 0 = the longest prompt of the batch."""
+    pack_token_budget: int = 0
+    """Packed layout: the most tokens (prefix + actions) one collated batch may hold; 0 = no limit."""
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of q or k [R, L, heads, Dh] by tables [R, L, Dh] (rotate-half, as layers.apply_rotary;
+    this model keeps heads after tokens so packed streams need no transposes)."""
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@dataclass
+class Pi05Layout:
+    """Where every sample's tokens are, resolved once per batch and shared by all layers and Euler steps.
+
+    Packed: the prefix is one flat stream ``[1, T]``; prefix attention is a varlen call over ``cu_prefix``;
+    suffix queries of sample i attend to the stream ``kv_index`` gathers from [prefix keys, suffix keys]:
+    [prefix_i, suffix_i] for every i, described by ``cu_suffix_k``. Padded: one sample per row, key-padding masks.
+    """
+
+    packed: bool
+    backend: str
+    """Resolved attention backend (never "auto")."""
+    positions: torch.Tensor
+    """long [R, L]: prefix position ids."""
+    seq_lens: torch.Tensor
+    """long [B]: real prefix tokens per sample (the first suffix position)."""
+    suffix_len: int
+    padded: PrefixSuffixLayout | None = None
+    cu_prefix: torch.Tensor | None = None
+    max_prefix: int = 0
+    cu_suffix_q: torch.Tensor | None = None
+    cu_suffix_k: torch.Tensor | None = None
+    max_suffix_k: int = 0
+    kv_index: torch.Tensor | None = None
+
+    def suffix_positions(self) -> torch.Tensor:
+        """long [B, S]: the action tokens continue the positions of their own sample's prefix."""
+        steps = torch.arange(self.suffix_len, device=self.seq_lens.device)
+        return self.seq_lens[:, None] + steps[None]
+
+    def prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Prefix self-attention. q: [R, L, H, D]; k, v: [R, L, Hkv, D] -> [R, L, H, D]."""
+        if self.packed:
+            out = varlen_attention(
+                q[0], k[0], v[0], self.cu_prefix, self.cu_prefix, self.max_prefix, self.max_prefix,
+                backend=self.backend,
+            )
+            return out[None]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return prefix_attention(q, k, v, self.padded, backend=self.backend).transpose(1, 2)
+
+    def suffix(self, q, prefix_k, prefix_v, suffix_k, suffix_v) -> torch.Tensor:
+        """Suffix queries [B, S, H, D] over their sample's [prefix keys, suffix keys] -> [B, S, H, D]."""
+        if self.packed:
+            b, s = q.shape[:2]
+            k = torch.cat([prefix_k[0], suffix_k.flatten(0, 1)])[self.kv_index]
+            v = torch.cat([prefix_v[0], suffix_v.flatten(0, 1)])[self.kv_index]
+            out = varlen_attention(
+                q.flatten(0, 1), k, v, self.cu_suffix_q, self.cu_suffix_k, s, self.max_suffix_k, backend=self.backend
+            )
+            return out.view(b, s, *out.shape[1:])
+        q, pk, pv, sk, sv = (t.transpose(1, 2) for t in (q, prefix_k, prefix_v, suffix_k, suffix_v))
+        return suffix_attention(q, pk, pv, sk, sv, self.padded, backend=self.backend).transpose(1, 2)
+
+
+def build_layout(
+    batch: PackedBatch, backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> Pi05Layout:
+    """The attention layout of a PackedBatch (index arithmetic on the CPU copies; one small transfer)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"policy.attention_backend: {backend!r} is not one of {list(BACKENDS)}")
+    s = batch.suffix_len
+    seq_lens = batch.seq_lens.cpu()
+    common = dict(positions=batch.position_ids.to(device), seq_lens=seq_lens.to(device), suffix_len=s)
+    if not batch.packed:
+        # Padded rows: key-padding masks (or the materialised mask for the dense/eager references).
+        resolved = backend if backend in ("dense", "eager") else "sdpa"
+        return Pi05Layout(False, resolved, padded=PrefixSuffixLayout(batch.valid.to(device)), **common)
+    if batch.rows != 1:
+        raise ValueError(f"a packed batch has one row, this one has {batch.rows}")
+    if backend == "auto":
+        backend = pick_backend(device, dtype, torch.is_grad_enabled(), head_dim)
+    b = batch.num_samples
+    total = batch.row_len
+    lens_k = seq_lens + s
+    cu_k = torch.zeros(b + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(lens_k, 0)
+    seg = torch.repeat_interleave(torch.arange(b), lens_k)
+    pos = torch.arange(int(cu_k[-1])) - cu_k[:-1].long()[seg]
+    in_prefix = pos < seq_lens[seg]
+    kv_index = torch.where(in_prefix, batch.sample_offsets.cpu()[seg] + pos, total + seg * s + (pos - seq_lens[seg]))
+    cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
+    # varlen wants int32 boundaries on the GPU; the other backends read them on the host (no device sync).
+    where = device if backend == "varlen" else torch.device("cpu")
+    return Pi05Layout(
+        True,
+        backend,
+        cu_prefix=batch.cu_seqlens.to(where, torch.int32),
+        max_prefix=int(seq_lens.max()),
+        cu_suffix_q=cu_q.to(where),
+        cu_suffix_k=cu_k.to(where),
+        max_suffix_k=int(lens_k.max()),
+        kv_index=kv_index.to(device),
+        **common,
+    )
 
 
 class JointLayer(nn.Module):
     """One layer of the prefix model and the action expert, sharing one attention.
 
     The last layer needs no prefix output (nothing reads it), so ``prefix_output=False`` leaves out its prefix
-    q_proj, o_proj and MLP (only its keys/values are used, by the action tokens): no dead parameters (LeRobot's pi0.5 carries a dead 263M lm_head for the same reason).
+    q_proj, o_proj and MLP (only its keys/values are used, by the action tokens): no dead parameters (LeRobot's
+    pi0.5 carries a dead 263M lm_head for the same reason).
     """
 
     def __init__(self, cfg: Pi05Config, prefix_output: bool = True):
@@ -139,32 +269,158 @@ class JointLayer(nn.Module):
         self.expert_mlp = GatedMLP(ew, cfg.expert_mlp_dim)
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        b, n, _ = x.shape
-        return x.view(b, n, heads, self.head_dim).transpose(1, 2)
+        return x.unflatten(-1, (heads, self.head_dim))  # [R, L, heads, Dh]
 
-    def prefix_forward(self, h, rope, layout: PrefixSuffixLayout):
-        """Prefix stream of this layer -> (next prefix hidden or None, this layer's prefix k, v)."""
+    def prefix_forward(self, h, rope, layout: Pi05Layout):
+        """Prefix stream of this layer: h [R, L, W] -> (next prefix hidden or None, this layer's k, v)."""
         x = self.input_norm(h)
-        k = apply_rotary(self._split(self.k_proj(x), self.kv_heads), *rope)
+        k = _rotary(self._split(self.k_proj(x), self.kv_heads), *rope)
         v = self._split(self.v_proj(x), self.kv_heads)
         if not self.prefix_output:
             return None, k, v
-        q = apply_rotary(self._split(self.q_proj(x), self.heads), *rope)
-        attn = prefix_attention(q, k, v, layout)
-        h = h + self.o_proj(attn.transpose(1, 2).flatten(2))
+        q = _rotary(self._split(self.q_proj(x), self.heads), *rope)
+        attn = layout.prefix(q, k, v)
+        h = h + self.o_proj(attn.flatten(2))
         h = h + self.mlp(self.post_norm(h))
         return h, k, v
 
-    def suffix_forward(self, h, cond, rope, prefix_k, prefix_v, layout: PrefixSuffixLayout):
-        """Action-expert stream: attends to this layer's prefix k/v and to itself."""
+    def suffix_forward(self, h, cond, rope, prefix_k, prefix_v, layout: Pi05Layout):
+        """Action-expert stream [B, S, We]: attends to this layer's prefix k/v of its sample and to itself."""
         x, gate = self.expert_input_norm(h, cond)
-        q = apply_rotary(self._split(self.expert_q_proj(x), self.heads), *rope)
-        k = apply_rotary(self._split(self.expert_k_proj(x), self.kv_heads), *rope)
+        q = _rotary(self._split(self.expert_q_proj(x), self.heads), *rope)
+        k = _rotary(self._split(self.expert_k_proj(x), self.kv_heads), *rope)
         v = self._split(self.expert_v_proj(x), self.kv_heads)
-        attn = suffix_attention(q, prefix_k, prefix_v, k, v, layout)
-        h = h + gate * self.expert_o_proj(attn.transpose(1, 2).flatten(2))
+        attn = layout.suffix(q, prefix_k, prefix_v, k, v)
+        h = h + gate * self.expert_o_proj(attn.flatten(2))
         x, gate = self.expert_post_norm(h, cond)
         return h + gate * self.expert_mlp(x)
+
+
+class Pi05Transform:
+    """Per-sample preprocessing the loader's workers run: normalization (from the policy's statistics) and
+    tokenization -> ``TokenizedSample``. Picklable (plain tensors and a ``tokenizers`` tokenizer).
+
+    Accepts a LeRobot-style sample (one key per camera, ``observation.state``, ``action``, ``action_is_pad``,
+    ``task``; a camera key that is absent, or False in an optional ``image_mask``, is an empty slot) or the design's
+    Sample (``images`` [n_cam, 3, H, W] + ``image_mask``, ``state``, ``actions``, ``actions_is_pad``, ``task`` or
+    ``tokens``).
+    """
+
+    def __init__(self, cfg: Pi05Config, state_normalizer: Normalizer, action_normalizer: Normalizer,
+                 tokenizer: TaskTokenizer | None):
+        self.image_keys = list(cfg.image_keys)
+        self.state_key, self.action_key = cfg.state_key, cfg.action_key
+        self.max_language_tokens = cfg.max_language_tokens
+        self.state_input = cfg.state_input
+        self.state_normalizer = state_normalizer.snapshot()
+        self.action_normalizer = action_normalizer.snapshot()
+        self.tokenizer = tokenizer
+        self._task_cache: dict[str, torch.Tensor] = {}
+
+    # Tokenizing the same few task strings every step is wasted work; the cache is per process (worker).
+    def _tokens(self, task: str, normalized_state: torch.Tensor) -> torch.Tensor:
+        if self.state_input == "prompt":
+            task = state_prompt(task, normalized_state)
+        elif task in self._task_cache:
+            return self._task_cache[task]
+        if self.tokenizer is None:
+            raise RuntimeError("this policy has no tokenizer; pass pre-tokenized observation.language.tokens")
+        ids = torch.tensor(self.tokenizer.encode(task)[: self.max_language_tokens], dtype=torch.long)
+        if self.state_input != "prompt" and len(self._task_cache) < 4096:
+            self._task_cache[task] = ids
+        return ids
+
+    def _images(self, sample: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "images" in sample:
+            images = torch.as_tensor(sample["images"])
+            mask = torch.as_tensor(sample.get("image_mask", torch.ones(images.shape[0], dtype=torch.bool))).bool()
+            return images, mask
+        present = [torch.as_tensor(sample[k]) for k in self.image_keys if k in sample]
+        if not present:
+            raise KeyError(f"sample has none of the cameras this policy reads: {self.image_keys}")
+        blank = torch.zeros_like(present[0])
+        images = torch.stack([torch.as_tensor(sample[k]) if k in sample else blank for k in self.image_keys])
+        mask = torch.tensor([k in sample for k in self.image_keys], dtype=torch.bool)
+        if "image_mask" in sample:
+            mask &= torch.as_tensor(sample["image_mask"]).bool()
+        return images, mask
+
+    def __call__(self, sample: dict[str, Any]) -> TokenizedSample:
+        images, image_mask = self._images(sample)
+        state = torch.as_tensor(sample.get("state", sample.get(self.state_key))).float()
+        state = self.state_normalizer.normalize(state)
+        actions = sample.get("actions", sample.get(self.action_key))
+        is_pad = sample.get("actions_is_pad", sample.get(f"{self.action_key}_is_pad"))
+        if actions is not None:
+            actions = self.action_normalizer.normalize(torch.as_tensor(actions).float())
+            is_pad = torch.zeros(actions.shape[0], dtype=torch.bool) if is_pad is None else torch.as_tensor(is_pad)
+            is_pad = is_pad.bool()
+        if "tokens" in sample:
+            tokens = torch.as_tensor(sample["tokens"]).long()[: self.max_language_tokens]
+        elif "observation.language.tokens" in sample:
+            ids = torch.as_tensor(sample["observation.language.tokens"]).long()
+            mask = torch.as_tensor(sample["observation.language.attention_mask"]).bool()
+            tokens = ids[mask][: self.max_language_tokens]
+        else:
+            tokens = self._tokens(sample["task"], state)
+        return TokenizedSample(
+            images=images,
+            image_mask=image_mask,
+            state=state,
+            tokens=tokens,
+            actions=actions,
+            actions_is_pad=is_pad,
+            episode_index=int(sample.get("episode_index", -1)),
+            frame_index=int(sample.get("frame_index", -1)),
+        )
+
+    def from_batch(self, batch: dict[str, Any]) -> list[TokenizedSample]:
+        """A LeRobot-style *batch* dict (what eval and the in-memory loader give) -> samples. A camera the policy
+        reads that is absent from the whole batch is an error, not an empty slot."""
+        missing = [k for k in self.image_keys if k not in batch]
+        if missing:
+            raise KeyError(
+                f"observation has no {missing[0]!r}; this policy reads cameras {self.image_keys} (a camera missing "
+                "from a whole batch is a configuration error: set policy.image_keys to the cameras the data has)"
+            )
+        state = self.state_normalizer.normalize(torch.as_tensor(batch[self.state_key]).float().cpu())
+        b = state.shape[0]
+        tasks = batch.get("task")
+        tasks = [tasks] * b if isinstance(tasks, str) else tasks
+        # Normalize the whole batch at once, then cut it into samples (views): per-sample calls cost Python time.
+        actions, is_pad = batch.get(self.action_key), batch.get(f"{self.action_key}_is_pad")
+        if actions is not None:
+            actions = self.action_normalizer.normalize(torch.as_tensor(actions).float().cpu())
+            is_pad = torch.zeros(actions.shape[:2], dtype=torch.bool) if is_pad is None else torch.as_tensor(is_pad)
+            is_pad = is_pad.bool().cpu()
+        images = torch.stack([torch.as_tensor(batch[k]).cpu() for k in self.image_keys], dim=1)
+        image_mask = batch.get("image_mask")
+        if image_mask is None:
+            image_mask = torch.ones(images.shape[:2], dtype=torch.bool)
+        image_mask = torch.as_tensor(image_mask).bool().cpu()
+        if "observation.language.tokens" in batch:
+            ids = torch.as_tensor(batch["observation.language.tokens"]).long().cpu()
+            lang_mask = torch.as_tensor(batch["observation.language.attention_mask"]).bool().cpu()
+            tokens = [ids[i][lang_mask[i]][: self.max_language_tokens] for i in range(b)]
+        else:
+            if tasks is None:
+                raise KeyError("batch has neither 'task' strings nor observation.language.tokens")
+            tokens = [self._tokens(tasks[i], state[i]) for i in range(b)]
+        episode = batch.get("episode_index")
+        frame = batch.get("frame_index")
+        return [
+            TokenizedSample(
+                images=images[i],
+                image_mask=image_mask[i],
+                state=state[i],
+                tokens=tokens[i],
+                actions=None if actions is None else actions[i],
+                actions_is_pad=None if actions is None else is_pad[i],
+                episode_index=int(episode[i]) if isinstance(episode, torch.Tensor) else -1,
+                frame_index=int(frame[i]) if isinstance(frame, torch.Tensor) else -1,
+            )
+            for i in range(b)
+        ]
 
 
 class Pi05Policy(Policy):
@@ -181,17 +437,10 @@ class Pi05Policy(Policy):
             )
         if cfg.state_input not in STATE_INPUTS:
             raise ConfigError(f"policy.state_input: {cfg.state_input!r} is not one of {sorted(STATE_INPUTS)}")
+        if cfg.attention_backend not in BACKENDS:
+            raise ConfigError(f"policy.attention_backend: {cfg.attention_backend!r} is not one of {list(BACKENDS)}")
         self.tokenizer = tokenizer
-        self.vision = VisionTransformer(
-            cfg.image_size,
-            cfg.vit_patch_size,
-            cfg.vit_dim,
-            cfg.vit_depth,
-            cfg.vit_heads,
-            mlp_dim=cfg.vit_mlp_dim,
-            pixel_shuffle=cfg.pixel_shuffle,
-            conv_stem=cfg.vit_conv_stem,
-        )
+        self.vision = VisionTransformer.from_config(cfg)
         self.projector = nn.Linear(self.vision.out_dim, cfg.width)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
         if cfg.state_input == "token":
@@ -219,17 +468,35 @@ class Pi05Policy(Policy):
             f"without the lm_head, {(total + last_layer + lm_head) / 1e9:.3f} B with it."
         )
 
+    # --- data -----------------------------------------------------------------------------------------------
+    def prefix_spec(self) -> PrefixSpec:
+        cfg = self.config
+        return PrefixSpec(
+            tokens_per_image=self.vision.num_tokens,
+            extra_tokens=1 if cfg.state_input == "token" else 0,
+            suffix_tokens=cfg.chunk_size,
+            pad_language_to=cfg.pad_language_to,
+        )
+
+    def data_transforms(self) -> tuple[Pi05Transform, PackCollate]:
+        """``(transform, collate)`` for the loader's workers: per-sample normalization + tokenization, then packing
+        into a PackedBatch (``config.packing``) or padding (one sample per row). Both are picklable."""
+        transform = Pi05Transform(self.config, self.state_normalizer, self.action_normalizer, self.tokenizer)
+        collate = PackCollate(self.prefix_spec(), packed=self.config.packing, budget=self.config.pack_token_budget)
+        return transform, collate
+
+    def as_packed_batch(self, batch: dict[str, Any] | PackedBatch) -> PackedBatch:
+        """A PackedBatch on this policy's device: collated from a LeRobot-style dict batch if needed."""
+        if not isinstance(batch, PackedBatch):
+            transform, collate = self.data_transforms()
+            batch = collate(transform.from_batch(batch))
+        device = self.action_out_proj.weight.device
+        return batch.to(device) if batch.state.device != device else batch
+
     # --- inputs ---------------------------------------------------------------------------------------------
-    def _images(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Stack cameras into float [B * n_cam, 3, S, S] in [-1, 1] (uint8 or [0, 1] float in)."""
-        frames = []
-        for key in self.config.image_keys:
-            if key not in batch:
-                raise KeyError(f"observation has no {key!r}; this policy reads cameras {self.config.image_keys}")
-            img = batch[key]
-            img = img.float() / 255.0 if img.dtype == torch.uint8 else img.float()
-            frames.append(img)
-        images = torch.stack(frames, dim=1).flatten(0, 1)
+    def _prepare_images(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (or [0, 1] float) [N, 3, H, W] -> float [N, 3, S, S] in [-1, 1]."""
+        images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
         size = self.config.image_size
         if images.shape[-2:] != (size, size):
             images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
@@ -237,45 +504,42 @@ class Pi05Policy(Policy):
             images = random_shift(images, self.config.random_shift)
         return images * 2.0 - 1.0
 
-    def _language(self, batch: dict[str, Any], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [B, L] and mask; tokenizes ``task`` strings unless the batch brings pre-tokenized ids."""
-        device = state.device
-        if "observation.language.tokens" in batch:
-            tokens, mask = batch["observation.language.tokens"], batch["observation.language.attention_mask"]
-            return tokens.to(device), mask.to(device)
-        if self.tokenizer is None:
-            raise RuntimeError("this policy has no tokenizer; pass observation.language.tokens")
-        tasks = batch["task"]
-        tasks = [tasks] if isinstance(tasks, str) else list(tasks)
-        if self.config.state_input == "prompt":
-            tasks = [state_prompt(task, s) for task, s in zip(tasks, state.detach().cpu(), strict=True)]
-        ids, mask = self.tokenizer.encode_batch(tasks, self.config.max_language_tokens)
-        return ids.to(device), mask.to(device)
+    def embed_prefix(self, batch: PackedBatch) -> tuple[torch.Tensor, Pi05Layout]:
+        """Prefix embeddings [R, L, W] (gathered from the bank the PackedBatch indexes) and the attention layout."""
+        cfg = self.config
+        spec = self.prefix_spec()
+        if (batch.tokens_per_image, batch.extra_tokens) != (spec.tokens_per_image, spec.extra_tokens):
+            raise ValueError(
+                f"batch was collated for {batch.tokens_per_image} tokens per image and {batch.extra_tokens} state "
+                f"tokens, this policy makes {spec.tokens_per_image} and {spec.extra_tokens}; collate with "
+                "policy.data_transforms() of this policy"
+            )
+        parts = []
+        if batch.images.shape[0]:
+            image_tokens = self.projector(self.vision(self._prepare_images(batch.images)))
+            parts.append(image_tokens.flatten(0, 1))
+        if cfg.state_input == "token":
+            parts.append(self.state_proj(batch.state.float()))
+        parts.append(self.embed_tokens(batch.tokens) * (cfg.width**0.5))  # Gemma scales embeddings by sqrt(width)
+        parts.append(parts[-1].new_zeros(1, cfg.width))  # the row padding points at
+        bank = torch.cat(parts)
+        tokens = bank[batch.prefix_index]
+        layout = build_layout(batch, cfg.attention_backend, tokens.device, self._compute_dtype(tokens), cfg.head_dim)
+        return tokens, layout
 
-    def embed_prefix(self, batch: dict[str, Any]) -> tuple[torch.Tensor, PrefixSuffixLayout, torch.Tensor]:
-        """Prefix embeddings [B, Lp, W], its layout, and position ids [B, Lp] (restarting per sample)."""
-        images = self._images(batch)
-        b = images.shape[0] // len(self.config.image_keys)
-        device = images.device
-        image_tokens = self.projector(self.vision(images)).view(b, -1, self.config.width)
-        state = self.state_normalizer.normalize(batch[self.config.state_key].float().to(device))
-        ids, lang_mask = self._language(batch, state)
-        lang = self.embed_tokens(ids) * (self.config.width**0.5)  # Gemma scales embeddings by sqrt(width)
-        parts = [image_tokens, lang]
-        if self.config.state_input == "token":
-            parts.insert(1, self.state_proj(state)[:, None])
-        tokens = torch.cat(parts, dim=1)
-        ones = torch.ones(b, tokens.shape[1] - lang.shape[1], dtype=torch.bool, device=device)
-        mask = torch.cat([ones, lang_mask.bool()], dim=1)
-        positions = mask.long().cumsum(1) - 1
-        return tokens, PrefixSuffixLayout(mask), positions
+    @staticmethod
+    def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return x.dtype
 
     def _time_condition(self, t: torch.Tensor) -> torch.Tensor:
         return self.time_mlp(sinusoidal_embedding(t, self.config.expert_width))
 
     # --- model ----------------------------------------------------------------------------------------------
-    def _prefix_cache(self, tokens, layout, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        rope = rotary_tables(positions, self.config.head_dim)
+    def _prefix_cache(self, tokens: torch.Tensor, layout: Pi05Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rope = rotary_tables(layout.positions, self.config.head_dim)
         cache = []
         h = tokens
         for layer in self.layers:
@@ -283,44 +547,48 @@ class Pi05Policy(Policy):
             cache.append((k, v))
         return cache
 
-    def _velocity(self, x_t, t, cache, layout, positions) -> torch.Tensor:
+    def _velocity(self, x_t, t, cache, layout: Pi05Layout) -> torch.Tensor:
         """Predicted velocity for noisy normalized actions x_t [B, T, A] at times t [B], given the prefix cache."""
         cond = self._time_condition(t)
         h = self.action_in_proj(x_t)
-        start = positions.max(dim=1, keepdim=True).values + 1
-        suffix_positions = start + torch.arange(x_t.shape[1], device=x_t.device)[None]
-        rope = rotary_tables(suffix_positions, self.config.head_dim)
+        rope = rotary_tables(layout.suffix_positions(), self.config.head_dim)
         for layer, (k, v) in zip(self.layers, cache, strict=True):
             h = layer.suffix_forward(h, cond, rope, k, v, layout)
         h, _ = self.expert_norm(h, cond)
         return self.action_out_proj(h)
 
-    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        tokens, layout, positions = self.embed_prefix(batch)
-        actions = self.action_normalizer.normalize(batch[self.config.action_key].float().to(tokens.device))
+    def forward(self, batch: dict[str, Any] | PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = self.as_packed_batch(batch)
+        if batch.actions is None:
+            raise ValueError("a training batch needs actions; this one was collated without them")
+        if batch.actions.shape[1] != batch.suffix_len:
+            raise ValueError(
+                f"batch has {batch.actions.shape[1]} actions per sample, the policy predicts chunks of "
+                f"{batch.suffix_len}; set policy.chunk_size to match the loader's action window"
+            )
+        tokens, layout = self.embed_prefix(batch)
+        actions = batch.actions.float()
         noise = torch.randn_like(actions)
         t = sample_time(actions.shape[0], actions.device, self.config.time_beta_alpha)
         x_t, target = noisy_actions(actions, noise, t)
-        cache = self._prefix_cache(tokens, layout, positions)
-        pred = self._velocity(x_t, t, cache, layout, positions)
+        cache = self._prefix_cache(tokens, layout)
+        pred = self._velocity(x_t, t, cache, layout)
         err = (pred - target).pow(2).mean(-1)  # [B, T]
-        pad_key = f"{self.config.action_key}_is_pad"
-        if self.config.action_loss_mask and pad_key in batch:
-            keep = (~batch[pad_key].to(err.device).bool()).float()
+        if self.config.action_loss_mask and batch.actions_is_pad is not None:
+            keep = (~batch.actions_is_pad.bool()).float()
             loss = (err * keep).sum() / keep.sum().clamp_min(1.0)
         else:
             loss = err.mean()
         return loss, {"loss": float(loss.detach())}
 
     @torch.no_grad()
-    def predict_action_chunk(self, observation: dict[str, Any]) -> torch.Tensor:
-        tokens, layout, positions = self.embed_prefix(observation)
-        cache = self._prefix_cache(tokens, layout, positions)  # once per chunk, reused by every Euler step
-        b = tokens.shape[0]
+    def predict_action_chunk(self, observation: dict[str, Any] | PackedBatch) -> torch.Tensor:
+        batch = self.as_packed_batch(observation)
+        tokens, layout = self.embed_prefix(batch)
+        cache = self._prefix_cache(tokens, layout)  # once per chunk, reused by every Euler step
+        b = batch.num_samples
         noise = torch.randn(b, self.config.chunk_size, self.config.action_dim, device=tokens.device)
-        actions = euler_sample(
-            lambda x, t: self._velocity(x, t, cache, layout, positions), noise, self.config.num_inference_steps
-        )
+        actions = euler_sample(lambda x, t: self._velocity(x, t, cache, layout), noise, self.config.num_inference_steps)
         return self.action_normalizer.unnormalize(actions)
 
     # --- persistence ----------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from roboscale.errors import CheckpointError, ConfigError
+from roboscale.models.groot import GrootConfig, GrootPolicy
 from roboscale.models.pi05 import Pi05Config, Pi05Policy
 from roboscale.models.policy import Policy, PolicyConfig
 from roboscale.models.tokenizer import TaskTokenizer
@@ -51,17 +52,30 @@ def _fill_from_dataset(cfg: PolicyConfig, meta) -> None:
     cfg.fps = cfg.fps or float(meta.fps)
 
 
-def build_pi05(cfg: Pi05Config, meta) -> Pi05Policy:
-    _fill_from_dataset(cfg, meta)
+def _tokenizer_for(cfg, meta) -> TaskTokenizer:
+    """The tokenizer.json the config names, or a small BPE trained on the dataset's task strings."""
     if cfg.tokenizer_path:
-        tokenizer = TaskTokenizer.from_file(cfg.tokenizer_path)
-    else:
-        tokenizer = TaskTokenizer.train(meta.task_list, cfg.tokenizer_train_vocab)
-    cfg.vocab_size = tokenizer.vocab_size
-    policy = Pi05Policy(cfg, tokenizer)
-    policy.state_normalizer.set_stats(meta.stats[cfg.state_key], cfg.state_key)
-    policy.action_normalizer.set_stats(meta.stats[cfg.action_key], cfg.action_key)
-    return policy
+        return TaskTokenizer.from_file(cfg.tokenizer_path)
+    return TaskTokenizer.train(meta.task_list, cfg.tokenizer_train_vocab)
+
+
+def _language_policy_builder(policy_class):
+    """build(config, meta) for a policy with a tokenizer and state/action normalizers (pi05, groot)."""
+
+    def build(cfg, meta):
+        _fill_from_dataset(cfg, meta)
+        tokenizer = _tokenizer_for(cfg, meta)
+        cfg.vocab_size = tokenizer.vocab_size
+        policy = policy_class(cfg, tokenizer)
+        policy.state_normalizer.set_stats(meta.stats[cfg.state_key], cfg.state_key)
+        policy.action_normalizer.set_stats(meta.stats[cfg.action_key], cfg.action_key)
+        return policy
+
+    return build
+
+
+build_pi05 = _language_policy_builder(Pi05Policy)
+build_groot = _language_policy_builder(GrootPolicy)
 
 
 PI05_PRESETS: dict[str, dict] = {
@@ -79,6 +93,27 @@ PI05_PRESETS: dict[str, dict] = {
                                             "observation.images.right_wrist_0_rgb"]),
 }
 
+GROOT_PRESETS: dict[str, dict] = {
+    "demo": {},
+    # Unit tests: well under a million parameters, milliseconds per step.
+    "tiny": dict(image_size=32, vit_dim=32, vit_depth=1, vit_heads=2, pixel_shuffle=2, llm_width=48, llm_layers=2,
+                 llm_heads=2, llm_kv_heads=1, llm_head_dim=16, llm_mlp_dim=64, vl_layers=1, vl_heads=2,
+                 dit_layers=2, dit_width=32, dit_heads=2, hidden_size=32, num_future_tokens=2, num_embodiments=2,
+                 chunk_size=6, n_action_steps=3, max_seq_len=8),
+    # GR00T N1.5 (nvidia/GR00T-N1.5-3B): Eagle 2.5 with SigLIP-2 So400m/14 at 224 (no pixel shuffle, one-Linear
+    # mlp1: 256 tokens per image), Qwen3-1.7B cut to 12 of 28 layers, frozen; 4 VL self-attention blocks at
+    # 2048; a 16-block DiT at 1536 (32 x 48) with 1024-wide output; 32 embodiments (new_embodiment = 31);
+    # 64-d state and 32-d actions (zero-padded maxima), 16-step chunks, 4 Euler steps, dropout 0.2.
+    "full": dict(image_size=224, vit_patch_size=14, vit_dim=1152, vit_depth=27, vit_heads=16, vit_mlp_dim=4304,
+                 vit_conv_stem=False, pixel_shuffle=1, projector_layers=1, llm_width=2048, llm_layers=12,
+                 llm_heads=16, llm_kv_heads=8, llm_head_dim=128, llm_mlp_dim=6144, vocab_size=151680,
+                 tune_llm=False, tune_visual=False, max_language_tokens=200, vl_layers=4, vl_heads=32,
+                 dit_layers=16, dit_width=1536, dit_heads=32, hidden_size=1024, num_future_tokens=32,
+                 max_seq_len=1024, num_embodiments=32, embodiment_id=31, dropout=0.2, chunk_size=16,
+                 n_action_steps=16, state_dim=64, action_dim=32, image_keys=["observation.images.ego_view"]),
+}
+
+
 def _load_lerobot_pi05(directory, **overrides) -> Policy:
     from roboscale.models.pi05_lerobot import load_lerobot_pi05
 
@@ -94,6 +129,7 @@ POLICIES: dict[str, PolicySpec] = {
         PI05_PRESETS,
         ForeignLoader(detect=lambda config: "paligemma_variant" in config, load=_load_lerobot_pi05),
     ),
+    "groot": PolicySpec("groot", GrootConfig, GrootPolicy, build_groot, GROOT_PRESETS),
 }
 
 

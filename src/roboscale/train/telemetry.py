@@ -1,4 +1,9 @@
-"""Training telemetry: loss, samples/s, data-wait fraction; to TensorBoard and the log."""
+"""Training telemetry: loss, samples/s, data-wait fraction; to TensorBoard and the log.
+
+``data_wait`` is the fraction of wall time the loop spent blocked on the loader (0: the loader keeps up; near 1:
+the accelerator starves). It is measured around ``next(loader)`` in the training process, so it counts only waiting,
+not the workers' decode time running in parallel (the loader's own ``decode_s`` figure).
+"""
 
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ class Telemetry:
         yield
         self._wait += time.perf_counter() - start
 
-    def step(self, step: int, metrics: dict[str, float], log_now: bool) -> dict[str, float] | None:
-        """Accumulate one step; on ``log_now`` write window means and return them."""
+    def step(self, step: int, metrics: dict[str, float], log_now: bool,
+             loader_stats: dict[str, float] | None = None) -> dict[str, float] | None:
+        """Accumulate one step; on ``log_now`` write window means (and the loader's counters) and return them."""
         for k, v in metrics.items():
             self._sums[k] += float(v)
         self._count += 1
@@ -38,9 +44,11 @@ class Telemetry:
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         summary = {k: v / self._count for k, v in self._sums.items()}
         summary["samples_per_s"] = self._count * self.batch_size / elapsed
-        summary["data_wait_pct"] = 100.0 * self._wait / elapsed
+        summary["data_wait"] = self._wait / elapsed
         for k, v in summary.items():
             self.writer.add_scalar(f"train/{k}", v, step)
+        for k, v in (loader_stats or {}).items():
+            self.writer.add_scalar(f"loader/{k}", v, step)
         log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
         self._sums.clear()
         self._count = 0

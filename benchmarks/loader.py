@@ -1,0 +1,248 @@
+"""Loader throughput: LeRobot's access pattern vs ours, on raw v3 files and on lake shards, side by side.
+
+A pi0.5-shaped sample: the current frame of 2 cameras (224², AV1 as LeRobot writes it), the state, and a 50-step
+action chunk with ``action_is_pad``; batches of 32 from 2 worker processes. Reports samples/s and CPU-seconds per
+sample (main process + workers, after a warm-up), and the ratios against (a), all measured in this one run:
+
+  (a) LeRobot's access pattern, re-implemented here: HF-datasets-style row access (each row and each window
+      element converted to a Python dict / values, then to tensors), the episode's metadata row looked up per
+      sample, and per camera a decoder opened per sample that seeks to the keyframe before the timestamp and decodes
+      forward, converting each decoded frame (LeRobot's PyAV backend, ``decode_video_frames_pyav``; cameras in a
+      new thread pool per sample, as LeRobot's HEAD does);
+  (b) ``roboscale.data.build_loader`` on the same raw v3 dataset;
+  (c) ``build_loader`` on a lake compiled from it (``roboscale lake build``), if ``roboscale.data.lake`` exists.
+
+    .venv/bin/python benchmarks/loader.py                  # generates the dataset once (~1-2 min), then ~2 min
+
+The dataset (MetaWorld, 2 tasks x 10 episodes, 2 cameras at 224²) and the lake are cached under
+outputs/bench/ (gitignored). Each configuration runs in a fresh process so caches and workers do not carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+CACHE = Path("outputs/bench")
+DATASET = CACHE / "metaworld-224"
+LAKE = CACHE / "metaworld-224-lake"
+CAMERAS = ["observation.images.corner2", "observation.images.wrist"]
+STATE, ACTION = "observation.state", "action"
+CHUNK = 50
+BATCH = 32
+WORKERS = 2
+
+
+# --------------------------------------------------------------------------------------------------- (a) LeRobot
+
+
+class LeRobotPattern:
+    """A torch Dataset reading the way LeRobot's ``LeRobotDataset.__getitem__`` does (see the module docstring).
+
+    Nothing here is LeRobot's code; it reproduces its costs: Python objects per row and window element, a
+    metadata row per sample, and a freshly opened, seeking decoder per camera and sample."""
+
+    def __init__(self, root: Path, tolerance_s: float = 1e-4):
+        from roboscale.data import lerobot_format as fmt
+
+        self.root = root
+        self.info = fmt.read_info(root)
+        self.fps = self.info.fps
+        self.tasks = fmt.read_tasks(root)
+        self.episodes = fmt.read_episodes_table(root)  # one row per episode, accessed row by row
+        tables = [fmt.read_parquet(p) for p in sorted((root / "data").glob("*/*.parquet"))]
+        import pyarrow as pa
+
+        self.table = pa.concat_tables(tables)  # the "hf_dataset": an Arrow table, accessed row by row
+        self.tolerance_s = tolerance_s
+        self.deltas = np.arange(CHUNK)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def _row(self, idx: int) -> dict:
+        import torch
+
+        # hf_dataset[idx] with hf_transform_to_torch: every column of the row to Python, then to a tensor
+        return {name: torch.tensor(self.table.column(name)[idx].as_py()) for name in self.table.column_names}
+
+    def _episode(self, ep: int) -> dict:
+        return {name: self.episodes.column(name)[ep].as_py() for name in self.episodes.column_names}
+
+    def _decode(self, path: Path, ts: float):
+        import av
+        import torch
+
+        # LeRobot's PyAV backend: open, seek to the keyframe before (one frame of margin), convert every decoded
+        # frame to a CHW tensor until the query is covered, then pick the nearest and check the tolerance
+        with av.open(str(path)) as container:  # a decoder opened for this sample
+            stream = container.streams.video[0]
+            container.seek(round(ts / stream.time_base) - 1, backward=True, any_frame=False, stream=stream)
+            frames, times = [], []
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    continue
+                t = float(frame.pts * stream.time_base)
+                frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous())
+                times.append(t)
+                if t >= ts:
+                    break
+        gaps = np.abs(np.array(times) - ts)
+        if not times or gaps.min() > self.tolerance_s:
+            raise RuntimeError(f"{path}: no frame within tolerance of {ts}")
+        return frames[int(gaps.argmin())]
+
+    def __getitem__(self, idx: int) -> dict:
+        import torch
+
+        item = self._row(idx)
+        ep = self._episode(int(item["episode_index"]))
+        start, end = ep["dataset_from_index"], ep["dataset_to_index"]
+        query = idx + self.deltas
+        item[f"{ACTION}_is_pad"] = torch.from_numpy((query < start) | (query >= end))
+        query = np.clip(query, start, end - 1)
+        # column-first window query: one Python value per window element
+        item[ACTION] = torch.stack([torch.tensor(self.table.column(ACTION)[int(q)].as_py()) for q in query])
+        ts = float(item["timestamp"])
+
+        def camera(key: str):
+            path = self.root / self.info.video_path.format(video_key=key, chunk_index=ep[f"videos/{key}/chunk_index"],
+                                                           file_index=ep[f"videos/{key}/file_index"])
+            return self._decode(path, ep[f"videos/{key}/from_timestamp"] + ts)
+
+        with ThreadPoolExecutor(len(CAMERAS)) as pool:  # a new pool per sample
+            for key, frame in zip(CAMERAS, pool.map(camera, CAMERAS), strict=True):
+                item[key] = frame
+        item["task"] = self.tasks[int(item["task_index"])]
+        return item
+
+
+def _lerobot_batches():
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    dataset = LeRobotPattern(DATASET)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, generator=torch.Generator()
+                                                                         .manual_seed(0)),
+                        num_workers=WORKERS, prefetch_factor=4, persistent_workers=True, drop_last=True)
+    it = iter(loader)
+    return it, (lambda: [w.pid for w in it._workers]), (lambda: None)
+
+
+def _our_batches(source: Path):
+    from roboscale.data.loader import build_loader
+
+    fps = json.loads((DATASET / "meta/info.json").read_text())["fps"]
+    loader = build_loader(source, batch_size=BATCH, num_workers=WORKERS, keys=[*CAMERAS, STATE, ACTION],
+                          delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]}, seed=0)
+    next(loader)  # start the workers
+    return loader, (lambda: [w.pid for w in loader._iter._workers]), loader.close
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+
+
+def _cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(which: str, warmup: int, batches: int) -> dict:
+    if which == "a":
+        it, pids, close = _lerobot_batches()
+    else:
+        it, pids, close = _our_batches(DATASET if which == "b" else LAKE)
+    for _ in range(warmup):
+        next(it)
+    workers = pids()
+    cpu0 = time.process_time() + sum(_cpu_of(p) for p in workers)
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(batches):
+        batch = next(it)
+        n += len(batch["task"])
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() + sum(_cpu_of(p) for p in workers) - cpu0
+    assert batch[ACTION].shape[1:] == (CHUNK, batch[ACTION].shape[-1]) and batch[CAMERAS[0]].shape[-1] == 224
+    close()
+    return {"samples": n, "wall_s": wall, "cpu_s": cpu}
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+def ensure_dataset() -> None:
+    if (DATASET / "meta/info.json").is_file():
+        return
+    tmp = DATASET.with_name(DATASET.name + ".tmp")
+    subprocess.run([sys.executable, "-m", "roboscale", "data", "generate", '--tasks=["drawer-open","button-press"]',
+                    "--episodes_per_task=10", "--image_size=224", f"--out={tmp}"], check=True)
+    tmp.rename(DATASET)
+
+
+def ensure_lake() -> bool:
+    try:
+        import roboscale.data.lake  # noqa: F401
+    except ImportError:
+        return False
+    if not (LAKE / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "roboscale", "lake", "build", str(DATASET), "--output", str(LAKE),
+                        "--image-size", "224"], check=True)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=40, help="measured batches for (b) and (c)")
+    parser.add_argument("--baseline-batches", type=int, default=12, help="measured batches for (a)")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--one", choices=["a", "b", "c"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        batches = args.baseline_batches if args.one == "a" else args.batches
+        print(json.dumps(measure(args.one, args.warmup, batches)))
+        return
+
+    ensure_dataset()
+    have_lake = ensure_lake()
+    results = {}
+    for which in ["a", "b"] + (["c"] if have_lake else []):
+        out = subprocess.run([sys.executable, __file__, "--one", which, "--batches", str(args.batches),
+                              "--baseline-batches", str(args.baseline_batches), "--warmup", str(args.warmup)],
+                             check=True, capture_output=True, text=True)
+        results[which] = json.loads(out.stdout.strip().splitlines()[-1])
+    names = {"a": "(a) LeRobot access pattern, raw v3", "b": "(b) roboscale loader, raw v3",
+             "c": "(c) roboscale loader, lake shards"}
+    base = results["a"]["samples"] / results["a"]["wall_s"]
+    print(f"{os.cpu_count()} cores; batch {BATCH}, {WORKERS} workers; 2 cameras 224² AV1 + state + "
+          f"{CHUNK}-step action chunk")
+    print("| loader | samples/s | CPU-s / sample | samples/s per CPU-s | vs (a) |")
+    print("|---|---:|---:|---:|---:|")
+    for which, r in results.items():
+        rate = r["samples"] / r["wall_s"]
+        per = r["cpu_s"] / r["samples"]
+        print(f"| {names[which]} | {rate:,.0f} | {per * 1e3:.2f} ms | {1 / per:,.0f} | {rate / base:.1f}x |")
+    if not have_lake:
+        print("| (c) roboscale loader, lake shards | skipped (no lake) | | | |")
+    for which, r in results.items():
+        per = r["cpu_s"] / r["samples"]
+        print(f"{names[which]}: a 3B VLA step consuming 20-40 samples/s per H100 needs {20 * per:.2f}-{40 * per:.2f} "
+              "cores of loading")
+    if "c" in results:
+        per = results["c"]["cpu_s"] / results["c"]["samples"]
+        print(f"(c) per core: {1 / per:,.0f} samples/s (target >= 1,000)")
+    print(f"ratios measured side by side in this run: (b)/(a) = "
+          f"{results['b']['samples'] / results['b']['wall_s'] / base:.1f}x"
+          + (f", (c)/(a) = {results['c']['samples'] / results['c']['wall_s'] / base:.1f}x" if "c" in results else ""))
+
+
+if __name__ == "__main__":
+    main()

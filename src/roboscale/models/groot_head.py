@@ -1,0 +1,258 @@
+"""GR00T N1.5's flow-matching action head.
+
+- ``vlln`` (LayerNorm) and a small self-attention transformer over the VL tokens;
+- per-embodiment state encoder, action encoder and action decoder: category-specific linear layers whose weights
+  are indexed by an embodiment id (one robot's weights never train on another robot's data);
+- a DiT over [1 state token, K learned "future" tokens, T action tokens]: even blocks cross-attend to the VL
+  tokens, odd blocks self-attend; every block's first norm is an adaLN on the flow timestep, and the output norm
+  is modulated by it too.
+
+Cross-attention reads the VL tokens as a flat stream with ``VLLayout`` segments through ``varlen_attention``:
+each sample's queries see exactly its own VL tokens, never padding. (GR00T passes no mask to the DiT's
+cross-attention, so its padded batches attend to pad tokens; we do not reproduce that.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roboscale.models.attention import varlen_attention
+from roboscale.models.groot_vlm import VLLayout
+
+
+# --- per-embodiment layers ------------------------------------------------------------------------------------
+class CategorySpecificLinear(nn.Module):
+    """A linear layer per embodiment: W [C, in, out], b [C, out]; ``forward(x [B, N, in], ids [B])``."""
+
+    def __init__(self, num_categories: int, in_dim: int, out_dim: int):
+        super().__init__()
+        # GR00T initializes W with std 0.02, about 1/sqrt(fan_in) at its widths (1024-3072). Scaling by fan_in
+        # keeps that at full size and gives small configs unit gain too: with 0.02 at width 32, the five such
+        # layers between a noisy action and its velocity shrink the signal ~10^4-fold and a tiny model barely trains.
+        self.W = nn.Parameter(torch.randn(num_categories, in_dim, out_dim) * in_dim**-0.5)
+        self.b = nn.Parameter(torch.zeros(num_categories, out_dim))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if bool((ids == ids[0]).all()):  # one embodiment in the batch (the usual case): no [B, in, out] gather
+            return x @ self.W[ids[0]] + self.b[ids[0]]
+        return torch.bmm(x, self.W[ids]) + self.b[ids][:, None]
+
+
+class CategorySpecificMLP(nn.Module):
+    def __init__(self, num_categories: int, in_dim: int, hidden: int, out_dim: int):
+        super().__init__()
+        self.layer1 = CategorySpecificLinear(num_categories, in_dim, hidden)
+        self.layer2 = CategorySpecificLinear(num_categories, hidden, out_dim)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.layer2(F.relu(self.layer1(x, ids)), ids)
+
+
+def sincos(t: torch.Tensor, dim: int, shift: float = 0.0, cos_first: bool = False) -> torch.Tensor:
+    """Transformer-style sinusoidal embedding of (discretized) timesteps t [...] -> [..., dim]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / (half - shift))
+    angles = t.float()[..., None] * freqs
+    parts = [angles.cos(), angles.sin()] if cos_first else [angles.sin(), angles.cos()]
+    return torch.cat(parts, dim=-1)
+
+
+class ActionEncoder(nn.Module):
+    """GR00T's multi-embodiment action encoder: W3(swish(W2([W1(a), sincos(t)])))."""
+
+    def __init__(self, num_categories: int, action_dim: int, width: int):
+        super().__init__()
+        self.width = width
+        self.W1 = CategorySpecificLinear(num_categories, action_dim, width)
+        self.W2 = CategorySpecificLinear(num_categories, 2 * width, width)
+        self.W3 = CategorySpecificLinear(num_categories, width, width)
+
+    def forward(self, actions: torch.Tensor, timesteps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """actions [B, T, A]; timesteps [B] (discretized); ids [B] -> [B, T, width]."""
+        a = self.W1(actions, ids)
+        tau = sincos(timesteps[:, None].expand(-1, actions.shape[1]), self.width).to(a.dtype)
+        return self.W3(F.silu(self.W2(torch.cat([a, tau], dim=-1), ids)), ids)
+
+
+class TimestepEncoder(nn.Module):
+    """Diffusers' Timesteps(256, flip_sin_to_cos, shift 1) + TimestepEmbedding: [B] -> [B, dim]."""
+
+    channels = 256
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(self.channels, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
+        emb = sincos(timesteps, self.channels, shift=1.0, cos_first=True).to(self.linear_1.weight.dtype)
+        return self.linear_2(F.silu(self.linear_1(emb)))
+
+
+# --- attention ------------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Diffusers-style attention (biased q/k/v/out). Self-attention over [B, N, D] rows, or cross-attention from
+    such rows to a VL stream with ``VLLayout`` segments (``kv_dim`` set)."""
+
+    def __init__(self, dim: int, heads: int, kv_dim: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"attention width {dim} is not a multiple of its {heads} heads")
+        self.heads, self.head_dim = heads, dim // heads
+        kv_dim = kv_dim or dim
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(kv_dim, dim)
+        self.to_v = nn.Linear(kv_dim, dim)
+        self.to_out = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of a VL stream [T, kv_dim] -> two [T, H, Dh] (cacheable across Euler steps)."""
+        t = context.shape[0]
+        return (self.to_k(context).view(t, self.heads, self.head_dim),
+                self.to_v(context).view(t, self.heads, self.head_dim))
+
+    def forward_self(self, x: torch.Tensor) -> torch.Tensor:
+        """Bidirectional self-attention within each row of x [B, N, D] (no padding inside a row)."""
+        b, n, d = x.shape
+        q, k, v = (proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.to_q, self.to_k, self.to_v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        return self.dropout(self.to_out(out))
+
+    def forward_stream(self, x: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+        """Self-attention within the segments of a flat stream x [T, D]."""
+        t, d = x.shape
+        q, k, v = (proj(x).view(t, self.heads, self.head_dim) for proj in (self.to_q, self.to_k, self.to_v))
+        cu, n = layout.cu_seqlens, layout.max_seqlen
+        out = varlen_attention(q, k, v, cu, cu, n, n)
+        return self.dropout(self.to_out(out.reshape(t, d)))
+
+    def forward_cross(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], layout: VLLayout) -> torch.Tensor:
+        """Rows x [B, N, D] (sample i = row i) attend to sample i's VL tokens only."""
+        b, n, d = x.shape
+        q = self.to_q(x).reshape(b * n, self.heads, self.head_dim)
+        cu_q, max_q = layout.query_cu_seqlens(n)
+        out = varlen_attention(q, kv[0], kv[1], cu_q.to(x.device), layout.cu_seqlens, max_q, layout.max_seqlen)
+        return self.dropout(self.to_out(out.reshape(b, n, d)))
+
+
+class FeedForward(nn.Module):
+    """Diffusers FeedForward("gelu-approximate"): Linear -> GELU(tanh) -> Linear, 4x wide."""
+
+    def __init__(self, dim: int, dropout: float = 0.0, mult: int = 4):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, mult * dim)
+        self.proj_out = nn.Linear(mult * dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj_out(self.dropout(F.gelu(self.proj_in(x), approximate="tanh"))))
+
+
+class AdaLayerNorm(nn.Module):
+    """LayerNorm (no affine) scaled and shifted by a projection of the timestep embedding."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+class VLSelfAttentionBlock(nn.Module):
+    """Pre-LayerNorm transformer block over the VL stream (GR00T's ``vl_self_attention``)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, dropout=dropout)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim, dropout)
+
+    def forward(self, x: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+        x = x + self.attn.forward_stream(self.norm1(x), layout)
+        return x + self.ff(self.norm3(x))
+
+
+class DiTBlock(nn.Module):
+    """adaLN(t) -> attention (cross to the VL tokens, or self) -> LayerNorm -> FF, both residual."""
+
+    def __init__(self, dim: int, heads: int, cross_dim: int | None, dropout: float = 0.0):
+        super().__init__()
+        self.cross = cross_dim is not None
+        self.norm1 = AdaLayerNorm(dim)
+        self.attn = Attention(dim, heads, kv_dim=cross_dim, dropout=dropout)
+        self.ff = FeedForward(dim, dropout)
+
+    def forward(self, x, temb, kv, layout: VLLayout) -> torch.Tensor:
+        h = self.norm1(x, temb)
+        x = x + (self.attn.forward_cross(h, kv, layout) if self.cross else self.attn.forward_self(h))
+        return x + self.ff(F.layer_norm(x, x.shape[-1:], eps=1e-5))
+
+
+class DiT(nn.Module):
+    """GR00T's DiT with interleaved cross-/self-attention blocks (block 0 cross-attends)."""
+
+    def __init__(self, dim: int, heads: int, layers: int, cross_dim: int, output_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.timestep_encoder = TimestepEncoder(dim)
+        self.blocks = nn.ModuleList(
+            [DiTBlock(dim, heads, cross_dim if i % 2 == 0 else None, dropout) for i in range(layers)]
+        )
+        self.proj_out_1 = nn.Linear(dim, 2 * dim)
+        self.proj_out_2 = nn.Linear(dim, output_dim)
+
+    def context(self, vl: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per-block keys/values of the VL stream: computed once per observation, reused by every Euler step."""
+        return [block.attn.kv(vl) if block.cross else None for block in self.blocks]
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context, layout: VLLayout) -> torch.Tensor:
+        temb = self.timestep_encoder(timesteps)
+        for block, kv in zip(self.blocks, context, strict=True):
+            x = block(x, temb, kv, layout)
+        shift, scale = self.proj_out_1(F.silu(temb)).chunk(2, dim=-1)
+        x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return self.proj_out_2(x)
+
+
+class FlowMatchingActionHead(nn.Module):
+    """VL processing, per-embodiment encoders/decoder and the DiT; predicts the flow velocity of an action chunk."""
+
+    def __init__(self, cfg, backbone_dim: int):  # cfg: GrootConfig
+        super().__init__()
+        self.cfg = cfg
+        w, c = cfg.dit_width, cfg.num_embodiments
+        self.vlln = nn.LayerNorm(backbone_dim)
+        self.vl_self_attention = nn.ModuleList(
+            [VLSelfAttentionBlock(backbone_dim, cfg.vl_heads, cfg.dropout) for _ in range(cfg.vl_layers)]
+        )
+        self.state_encoder = CategorySpecificMLP(c, cfg.state_dim, cfg.hidden_size, w)
+        self.action_encoder = ActionEncoder(c, cfg.action_dim, w)
+        self.action_decoder = CategorySpecificMLP(c, cfg.hidden_size, cfg.hidden_size, cfg.action_dim)
+        self.future_tokens = nn.Parameter(0.02 * torch.randn(cfg.num_future_tokens, w))
+        self.position_embedding = nn.Parameter(0.02 * torch.randn(cfg.max_seq_len, w))
+        self.dit = DiT(w, cfg.dit_heads, cfg.dit_layers, backbone_dim, cfg.hidden_size, cfg.dropout)
+
+    def encode_vl(self, vl: torch.Tensor, layout: VLLayout) -> list:
+        """VL stream [T, W] -> the DiT's per-block cross-attention keys/values."""
+        x = self.vlln(vl)
+        for block in self.vl_self_attention:
+            x = block(x, layout)
+        return self.dit.context(x)
+
+    def velocity(self, x_t, timesteps, state_features, context, layout, embodiment) -> torch.Tensor:
+        """Velocity [B, T, A] of noisy actions x_t at discretized timesteps [B]."""
+        b, t, _ = x_t.shape
+        actions = self.action_encoder(x_t, timesteps, embodiment) + self.position_embedding[:t]
+        future = self.future_tokens[None].expand(b, -1, -1)
+        x = torch.cat([state_features, future, actions], dim=1)
+        out = self.dit(x, timesteps, context, layout)
+        return self.action_decoder(out[:, -t:], embodiment)

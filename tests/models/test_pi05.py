@@ -59,25 +59,6 @@ def test_language_changes_the_prediction():
     assert not torch.allclose(a, b)
 
 
-def test_select_action_pops_a_queue_and_predicts_once_per_chunk(monkeypatch):
-    policy = tiny_policy().eval()
-    calls = []
-    original = policy.predict_action_chunk
-
-    def counting(obs):
-        calls.append(1)
-        return original(obs)
-
-    monkeypatch.setattr(policy, "predict_action_chunk", counting)
-    obs = batch(b=1)
-    actions = [policy.select_action(obs) for _ in range(7)]
-    assert len(calls) == 3  # n_action_steps=3: steps 0, 3, 6 predict
-    assert all(a.shape == (1, 4) for a in actions)
-    policy.reset()
-    policy.select_action(obs)
-    assert len(calls) == 4
-
-
 def test_save_then_load_gives_identical_actions(tmp_path):
     policy = tiny_policy().eval()
     policy.save_pretrained(tmp_path / "ckpt")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -94,17 +97,21 @@ def test_batches_too_big_for_the_arena_take_torchs_path_unchanged(small_root):
         loader.close()
 
 
+# Transforms and collates run in workers started by a forkserver: they must be picklable (module level).
+def _sum_state(sample):
+    sample["state_sum"] = sample["observation.state"].sum()
+    return sample
+
+
+def _count_and_stack(samples):
+    return {"n": len(samples), "state_sum": torch.stack([s["state_sum"] for s in samples]),
+            "episode_index": torch.stack([s["episode_index"] for s in samples]),
+            "frame_index": torch.stack([s["frame_index"] for s in samples]),
+            "state": torch.stack([s["observation.state"] for s in samples])}
+
+
 def test_transform_and_collate_run_per_sample_and_per_batch(small_root):
-    def transform(sample):
-        sample["state_sum"] = sample["observation.state"].sum()
-        return sample
-
-    def collate(samples):
-        return {"n": len(samples), "state_sum": torch.stack([s["state_sum"] for s in samples]),
-                "episode_index": torch.stack([s["episode_index"] for s in samples]),
-                "frame_index": torch.stack([s["frame_index"] for s in samples]),
-                "state": torch.stack([s["observation.state"] for s in samples])}
-
+    transform, collate = _sum_state, _count_and_stack
     keys = ["observation.state"]
     plain = build_loader(small_root, batch_size=4, num_workers=0, keys=keys, seed=1)
     custom = build_loader(small_root, batch_size=4, num_workers=2, keys=keys, seed=1, transform=transform,
@@ -299,13 +306,21 @@ def test_a_corrupt_video_is_skipped_with_skip_bad_episodes(small_copy):
     assert loader.stats()["skipped_episodes"] == len(shared)
 
 
-def test_a_failing_worker_names_the_sample(small_root):
-    def transform(sample):
-        if int(sample["episode_index"]) == 1 and int(sample["frame_index"]) == 5:
-            raise RuntimeError("boom")
-        return sample
+def _boom_at_episode_1_frame_5(sample):
+    if int(sample["episode_index"]) == 1 and int(sample["frame_index"]) == 5:
+        raise RuntimeError("boom")
+    return sample
 
-    loader = build_loader(small_root, batch_size=4, num_workers=2, keys=["action"], transform=transform)
+
+def _exit_at_episode_0(sample):
+    if int(sample["episode_index"]) == 0:
+        os._exit(3)  # a hard crash (segfault-like): no Python exception to forward
+    return sample
+
+
+def test_a_failing_worker_names_the_sample(small_root):
+    loader = build_loader(small_root, batch_size=4, num_workers=2, keys=["action"],
+                          transform=_boom_at_episode_1_frame_5)
     try:
         with pytest.raises(LoaderError, match=r"episode 1, frame 5.*boom"):
             loader.take(loader.batches_per_epoch)
@@ -314,17 +329,62 @@ def test_a_failing_worker_names_the_sample(small_root):
 
 
 def test_a_crashed_worker_is_reported_with_its_batch(small_root):
-    def transform(sample):
-        if int(sample["episode_index"]) == 0:
-            import os
-
-            os._exit(3)  # a hard crash (segfault-like): no Python exception to forward
-        return sample
-
-    loader = build_loader(small_root, batch_size=4, num_workers=1, keys=["action"], transform=transform,
+    loader = build_loader(small_root, batch_size=4, num_workers=1, keys=["action"], transform=_exit_at_episode_0,
                           shuffle=False)
     with pytest.raises(LoaderError, match=r"batch 0 of epoch 0 \(first sample: .*episode 0, frame 0\)"):
         next(loader)
+
+
+# held by a thread of the main process while workers start (as pyarrow's, a decoder's or gRPC's locks can be)
+_BUSY_LOCK = threading.Lock()
+
+
+def _use_busy_lock(sample):
+    with _BUSY_LOCK:
+        return sample
+
+
+def test_workers_do_not_inherit_locks_held_by_the_trainers_threads(small_root):
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _BUSY_LOCK:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        # the default (forkserver) worker imports a fresh copy of this module: its lock is free
+        clean = build_loader(small_root, batch_size=4, num_workers=1, keys=["action"], transform=_use_busy_lock,
+                             worker_timeout_s=60)
+        try:
+            assert next(clean)["action"].shape[0] == 4
+        finally:
+            clean.close()
+        # a forked worker copies the lock as held and blocks on it: the watchdog reports it instead of hanging
+        forked = build_loader(small_root, batch_size=4, num_workers=1, keys=["action"], transform=_use_busy_lock,
+                              multiprocessing_context="fork", worker_timeout_s=2, shuffle=False)
+        with pytest.raises(LoaderError, match=r"batch 0 of epoch 0 .*no batch for 2 s .*timed out"):
+            next(forked)
+    finally:
+        release.set()
+        holder.join()
+
+
+def test_a_transform_workers_cannot_receive_is_named_up_front(small_root):
+    def local(sample):
+        return sample
+
+    with pytest.raises(ValueError, match=r"transform .*local.* cannot be pickled.*module level"):
+        build_loader(small_root, batch_size=4, num_workers=1, keys=["action"], transform=local)
+    forked = build_loader(small_root, batch_size=4, num_workers=1, keys=["action"], transform=local,
+                          multiprocessing_context="fork")
+    try:
+        assert next(forked)["action"].shape[0] == 4  # closures are fine where workers are forked
+    finally:
+        forked.close()
 
 
 def test_sources_are_recognized_by_their_layout(small_root, tmp_path):

@@ -32,6 +32,14 @@ batch, so batches come in dataset order. The main process holds the epoch plan (
 
 Workers hand batches over through a shared-memory arena of recycled buffers (``_Arena``) rather than torch's
 fresh segment per tensor; on 2 cores that halved the CPU cost per sample when reading lake shards.
+
+Workers start from a *forkserver* (a clean process that imported this module once), not by forking the trainer:
+by the time a loader starts, the trainer runs threads (pyarrow's pool, decoder threads, OpenMP, a Ray or gRPC
+client), and a fork copies whatever lock one of them holds, so a worker can deadlock on its first read. It did
+once in our CI, after an in-process Ray session. Python 3.14 made the same choice. The cost: ``transform``,
+``collate`` and the sources travel pickled, so they must be picklable (module-level functions or objects); pass
+``multiprocessing_context="fork"`` for closures. A worker that returns nothing for ``worker_timeout_s`` is
+reported like a crashed one, never waited on forever.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import multiprocessing
+import pickle
+import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -55,6 +66,10 @@ from roboscale.data.source import FrameSource, open_source
 from roboscale.errors import DatasetError, RoboscaleError
 
 log = logging.getLogger(__name__)
+
+# what a forkserver imports once, so that each worker it forks starts with torch and the readers loaded
+# ("__main__": a script's module-level transforms unpickle in the workers as they do under spawn)
+_WORKER_PRELOAD = ["__main__", "roboscale.data.loader"]
 
 # numpy kind -> dtype LeRobot's items have (hf_transform_to_torch: floats -> float32, ints -> int64)
 _ITEM_DTYPE = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}
@@ -594,6 +609,50 @@ class _Failure:
         return err
 
 
+class _Watchdog:
+    """Stops the workers when the main process has waited ``timeout_s`` for a batch; torch then finds them dead
+    and raises, and the loader reports the batch. (torch's own ``timeout`` would also postpone its check for
+    crashed workers to the end of that wait: workers of a forkserver are not our children, so no SIGCHLD.)"""
+
+    def __init__(self, iterator: Any, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.since: float | None = None  # when the current wait for a batch began (set by the main thread)
+        self.fired = False
+        self._workers = list(getattr(iterator, "_workers", []))
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="loader-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            since = self.since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self.fired, self.since = True, None
+                for worker in self._workers:
+                    worker.terminate()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _worker_context(name: str) -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context(name)
+    if name == "forkserver":  # only takes effect before this process's forkserver starts
+        context.set_forkserver_preload(_WORKER_PRELOAD)
+    return context
+
+
+def _check_picklable(what: str, obj: Any, context: str) -> None:
+    """Name the culprit up front: torch would fail at worker start with a bare pickling error."""
+    if obj is None or context == "fork":
+        return
+    try:
+        pickle.dumps(obj)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(f"{what} {obj!r} cannot be pickled for the loader workers ({e}): define it at module "
+                         f"level (or make it a picklable object), or pass multiprocessing_context='fork' "
+                         "(see roboscale.data.loader on why fork is not the default)") from None
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -625,8 +684,8 @@ class StreamingLoader:
     """Endless iterator of batches; see the module docstring for the order, sharding and resume semantics."""
 
     def __init__(self, space: _Sources, dataset: _BatchDataset, plan: _Plan, *, num_workers: int,
-                 prefetch_factor: int, pin_memory: bool, multiprocessing_context: str | None,
-                 excluded: list[tuple[str, int, str]], arena_bytes: int = 0):
+                 prefetch_factor: int, pin_memory: bool, multiprocessing_context: str,
+                 excluded: list[tuple[str, int, str]], arena_bytes: int = 0, worker_timeout_s: float = 0.0):
         self.space = space
         self.arena_bytes = arena_bytes
         self._arena: _Arena | None = None
@@ -637,6 +696,8 @@ class StreamingLoader:
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
+        self.worker_timeout_s = worker_timeout_s
+        self._watchdog: _Watchdog | None = None
         self.epoch = 0
         self.position = 0
         self._resume_skip: set[tuple[int, int]] = set()
@@ -691,11 +752,14 @@ class StreamingLoader:
             num_workers=workers,
             prefetch_factor=self.prefetch_factor if workers else None,
             pin_memory=self.pin_memory,
-            multiprocessing_context=self.multiprocessing_context if workers else None,
+            multiprocessing_context=_worker_context(self.multiprocessing_context) if workers else None,
             # our own generator: creating the iterator must not consume the global RNG (bit-exact resume)
             generator=torch.Generator().manual_seed(self._plan.seed),
         )
-        return iter(loader)
+        iterator = iter(loader)
+        if workers and self.worker_timeout_s > 0:
+            self._watchdog = _Watchdog(iterator, self.worker_timeout_s)
+        return iterator
 
     def __iter__(self) -> StreamingLoader:
         self.close()
@@ -707,6 +771,9 @@ class StreamingLoader:
             self._iter = self._start()
         while True:
             t0 = time.perf_counter()
+            watchdog = self._watchdog
+            if watchdog is not None:
+                watchdog.since = time.monotonic()
             try:
                 batch, info = next(self._iter)
             except LoaderError:
@@ -723,8 +790,15 @@ class StreamingLoader:
                     ids = blocks[pending[0]][pending[1] * self.batch_size:(pending[1] + 1) * self.batch_size]
                     where = f" on batch {self.position} of epoch {self.epoch} (first sample: " \
                             f"{self.space.describe(int(ids[0]))})"
+                why = f"{type(e).__name__}: {e}"
+                if watchdog is not None and watchdog.fired:
+                    why = f"no batch for {self.worker_timeout_s:g} s (worker_timeout_s): the workers timed out and " \
+                          f"were stopped ({why})"
                 self.close()
-                raise LoaderError(f"data loader failed{where}: {type(e).__name__}: {e}") from e
+                raise LoaderError(f"data loader failed{where}: {why}") from e
+            finally:
+                if watchdog is not None:
+                    watchdog.since = None
             if isinstance(batch, _Failure):
                 self.close()
                 raise batch.error()
@@ -754,6 +828,9 @@ class StreamingLoader:
     def close(self) -> None:
         """Stop the workers (the next ``next()`` starts them again where the loader stands)."""
         it, self._iter = self._iter, None
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
 
@@ -829,7 +906,8 @@ def build_loader(
     chunk_frames: int = 16,
     skip_bad_episodes: bool = False,
     tolerance_s: float = 1e-4,
-    multiprocessing_context: str | None = None,
+    multiprocessing_context: str = "forkserver",
+    worker_timeout_s: float = 600.0,
     source_options: Mapping[str, Any] | None = None,
     shared_arena: bool = True,
 ) -> StreamingLoader:
@@ -843,6 +921,8 @@ def build_loader(
     availability. ``block_samples`` / ``chunk_frames``: see the module docstring. ``shared_arena``: workers hand
     batches over through recycled shared memory (see ``_Arena``; costs ``num_workers x (prefetch_factor + 2)``
     batch-sized buffers, sized from the features with 25% headroom for what transforms add).
+    ``multiprocessing_context``: how workers start ("forkserver", "spawn" or "fork"; see the module docstring).
+    ``worker_timeout_s``: a worker silent this long fails the loader with the batch it was on (0: wait forever).
     """
     if batch_size <= 0:
         raise ValueError("batch_size must be positive")
@@ -905,6 +985,11 @@ def build_loader(
     if plan.batches_per_epoch == 0:
         raise ValueError(f"{int(quotas.sum())} samples per epoch: too few for batch_size {batch_size} x "
                          f"world_size {world_size}")
+    if num_workers:
+        for what, obj in (("transform", transform), ("collate", collate)):
+            _check_picklable(what, obj, multiprocessing_context)
+        for s, n in zip(sources, names, strict=True):
+            _check_picklable(f"source {n}", s, multiprocessing_context)
     dataset = _BatchDataset(space, keys, deltas, cameras, transform, collate, skip_bad_episodes)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
@@ -919,7 +1004,7 @@ def build_loader(
         arena_bytes = int(1.25 * batch_size * per_sample) + (1 << 20)
     return StreamingLoader(space, dataset, plan, num_workers=num_workers, prefetch_factor=prefetch_factor,
                            pin_memory=pin_memory, multiprocessing_context=multiprocessing_context, excluded=excluded,
-                           arena_bytes=arena_bytes)
+                           arena_bytes=arena_bytes, worker_timeout_s=worker_timeout_s)
 
 
 # --------------------------------------------------------------------------------------------------- metadata

@@ -35,10 +35,10 @@ fresh segment per tensor; on 2 cores that halved the CPU cost per sample when re
 
 Workers start from a *forkserver* (a clean process that imported this module once), not by forking the trainer:
 by the time a loader starts, the trainer runs threads (pyarrow's pool, decoder threads, OpenMP, a Ray or gRPC
-client), and a fork copies whatever lock one of them holds, so a worker can deadlock on its first read. It did
-in our CI, most likely (a loader test hung after an in-process Ray session). Python 3.14 made the same choice. The cost: ``transform``,
-``collate`` and the sources travel pickled, so they must be picklable (module-level functions or objects); pass
-``multiprocessing_context="fork"`` for closures. A worker that returns nothing for ``worker_timeout_s`` is
+client), and a fork copies whatever lock one of them holds, so a worker can deadlock on its first read (most
+likely what hung a loader test in our CI, after an in-process Ray session). Python 3.14 made the same choice.
+The cost: ``transform``, ``collate`` and the sources travel pickled, so they must be picklable (module-level
+functions or objects); pass ``multiprocessing_context="fork"`` for closures. A worker that returns nothing for ``worker_timeout_s`` is
 reported like a crashed one, never waited on forever.
 """
 

@@ -46,6 +46,17 @@ def test_help_explains_every_option():
         assert docs[name] in text
 
 
+def test_help_lists_the_options_of_the_chosen_policy_type(capsys):
+    with pytest.raises(SystemExit):
+        parse(TrainConfig, ["--policy.type=groot", "--help"])
+    groot = capsys.readouterr().out
+    assert "--policy.dit_layers" in groot and "--policy.expert_width" not in groot
+    assert "[groot]" in groot
+    with pytest.raises(SystemExit):
+        parse(TrainConfig, ["--help"])
+    assert "--policy.expert_width" in capsys.readouterr().out  # the default type, pi05
+
+
 def test_space_separated_values_make_a_list_and_dashes_are_accepted():
     from roboscale.sim.experts import GenerateConfig
 

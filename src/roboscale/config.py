@@ -206,15 +206,21 @@ def _merge(base: dict, override: dict) -> dict:
 
 def parse(cls: type[T], argv: list[str], defaults: T | None = None, prog: str = "roboscale") -> T:
     """``--config file.yaml`` then ``--a.b=value`` / ``--a.b value`` overrides; ``--help`` prints every option."""
+    if "-h" in argv or "--help" in argv:
+        # the options of what the other arguments select (``--policy.type=groot --help`` lists GR00T's fields)
+        rest = [a for a in argv if a not in ("-h", "--help")]
+        try:
+            shown = parse(cls, rest, defaults, prog)
+        except ConfigError:
+            shown = defaults if defaults is not None else cls()
+        print(help_text(cls, prog, shown))
+        raise SystemExit(0)
     base = to_dict(defaults if defaults is not None else cls())
     overrides: dict = {}
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg in ("-h", "--help"):
-            print(help_text(cls, prog))
-            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; options look like --section.name=value (see --help)")
         if "=" in arg:
@@ -256,13 +262,13 @@ def _parse_scalar(value: str) -> Any:
     return value
 
 
-def help_text(cls: type, prog: str) -> str:
+def help_text(cls: type, prog: str, value: Any = None) -> str:
     lines = [f"usage: {prog} [--config FILE.yaml] [--option=value ...]", ""]
     doc = inspect.getdoc(cls)
     if doc:
         lines += [doc, ""]
     lines.append("options (defaults in brackets):")
-    lines += _help_lines(cls, cls(), "")
+    lines += _help_lines(cls, value if value is not None else cls(), "")
     lines.append("")
     lines.append("  --config FILE.yaml  read options from a YAML file first (same nesting as above)")
     return "\n".join(lines)

@@ -78,6 +78,43 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_packed[name], grads_pad[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_worker_side_tokenization_gives_the_batch_the_policy_would_make():
+    import pickle
+
+    policy = tiny_groot()
+    obs = batch(b=4, tasks=MIXED_TASKS)
+    transform, collate = pickle.loads(pickle.dumps(policy.data_transforms()))  # as the loader's workers get them
+    samples = [{k: v[i] for k, v in obs.items()} for i in range(4)]
+    collated = collate([transform(s) for s in samples])
+    ids, mask = policy.tokenizer.encode_batch(MIXED_TASKS, policy.config.max_language_tokens)
+    assert torch.equal(collated["observation.language.tokens"], ids)
+    assert torch.equal(collated["observation.language.attention_mask"], mask) and not bool(mask.all())
+    assert collated["task"] == MIXED_TASKS and torch.equal(collated["action"], obs["action"])
+    loss_policy, grads_policy = _loss_and_grads(policy, obs)
+    loss_worker, grads_worker = _loss_and_grads(policy, collated)
+    torch.testing.assert_close(loss_worker, loss_policy, rtol=0, atol=0)
+    for name in grads_policy:
+        torch.testing.assert_close(grads_worker[name], grads_policy[name], rtol=0, atol=0, msg=name)
+
+
+def test_attention_backend_reaches_every_attention_over_vl_tokens(monkeypatch):
+    from roboscale.models import attention
+
+    obs = batch(b=4, tasks=MIXED_TASKS)
+    reference, _ = _loss_and_grads(tiny_groot(attention_backend="dense"), obs)
+    calls = []
+    real_mask = attention.segment_mask
+    monkeypatch.setattr(attention, "segment_mask", lambda *a, **kw: calls.append(1) or real_mask(*a, **kw))
+    segmented, _ = _loss_and_grads(tiny_groot(attention_backend="sdpa"), obs)
+    assert calls == []  # per-segment SDPA builds no [L, L] mask anywhere
+    torch.testing.assert_close(segmented, reference, rtol=1e-5, atol=1e-6)
+    _loss_and_grads(tiny_groot(attention_backend="dense"), obs)
+    cfg = tiny_groot().config
+    assert len(calls) == cfg.llm_layers + cfg.vl_layers + (cfg.dit_layers + 1) // 2  # LLM, VL self-attn, DiT cross
+    with pytest.raises(ConfigError, match="attention_backend.*not one of"):
+        GrootConfig(attention_backend="fast")
+
+
 def test_a_sample_does_not_see_its_batch_mates():
     policy = tiny_groot().eval()
     obs = batch(b=4, tasks=MIXED_TASKS)

@@ -26,11 +26,14 @@ import torch.nn.functional as F
 
 from roboscale.config import register
 from roboscale.errors import CheckpointError, ConfigError
+from roboscale.models.attention import BACKENDS
 from roboscale.models.groot_head import FlowMatchingActionHead
 from roboscale.models.groot_vlm import EagleVLM, VLLayout
 from roboscale.models.normalize import Normalizer
 from roboscale.models.policy import TOKENIZER_NAME, Policy, PolicyConfig
-from roboscale.models.tokenizer import TaskTokenizer
+from roboscale.models.tokenizer import TaskTokenizer, pad_token_ids
+
+TOKENS, TOKENS_MASK = "observation.language.tokens", "observation.language.attention_mask"
 
 
 @register(PolicyConfig, "groot")
@@ -87,6 +90,9 @@ class GrootConfig(PolicyConfig):
     packed: bool = True
     """VL tokens as one packed stream without padding (true) or one padded row per sample (false). Results are
     the same; packing skips the padding's compute."""
+    attention_backend: str = "auto"
+    """Kernel of every attention over VL tokens (LLM, VL self-attention, DiT cross-attention): auto, varlen, flex,
+    sdpa, dense or eager, as ``roboscale.models.attention.varlen_attention``."""
     # --- action head ---
     vl_layers: int = 1
     """Self-attention blocks over the VL tokens before the DiT (GR00T N1.5: 4)."""
@@ -135,6 +141,8 @@ class GrootConfig(PolicyConfig):
                 f"policy.chunk_size {self.chunk_size} exceeds policy.max_seq_len {self.max_seq_len} "
                 "(rows of the action position embedding); raise max_seq_len"
             )
+        if self.attention_backend not in BACKENDS:
+            raise ConfigError(f"policy.attention_backend: {self.attention_backend!r} is not one of {list(BACKENDS)}")
         if self.projector_layers not in (1, 2):
             raise ConfigError(f"policy.projector_layers must be 1 or 2, got {self.projector_layers}")
         if not 0 <= self.embodiment_id < self.num_embodiments:
@@ -195,6 +203,44 @@ def component_of(name: str) -> str:
     return COMPONENTS[prefix] if prefix else name.split(".")[0]
 
 
+class GrootTransform:
+    """Per-sample work for the loader's workers: the instruction becomes token ids (cut to
+    ``max_language_tokens``), so the training loop never tokenizes. Images, state and actions pass through: the
+    policy normalizes them on its device. Picklable (a ``tokenizers`` tokenizer and ints)."""
+
+    def __init__(self, tokenizer: TaskTokenizer, max_language_tokens: int):
+        self.tokenizer = tokenizer
+        self.max_language_tokens = max_language_tokens
+        self._cache: dict[str, torch.Tensor] = {}  # per worker: a dataset has a few task strings
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        if TOKENS in sample:
+            return sample
+        task = sample["task"]
+        ids = self._cache.get(task)
+        if ids is None:
+            ids = torch.tensor(self.tokenizer.encode(task)[: self.max_language_tokens], dtype=torch.long)
+            if len(self._cache) < 4096:
+                self._cache[task] = ids
+        sample[TOKENS] = ids
+        return sample
+
+
+class GrootCollate:
+    """Stacks samples as torch's default collate, with the token ids right-padded to the batch's longest (the
+    layout ``TaskTokenizer.encode_batch`` gives, so a batch is the same whether workers or the policy tokenized)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        samples = [dict(s) for s in samples]
+        tokens = [s.pop(TOKENS) for s in samples]
+        batch = torch.utils.data.default_collate(samples)
+        batch[TOKENS], batch[TOKENS_MASK] = pad_token_ids([t.tolist() for t in tokens], self.pad_id)
+        return batch
+
+
 class GrootPolicy(Policy):
     config_class = GrootConfig
     name = "groot"
@@ -229,6 +275,12 @@ class GrootPolicy(Policy):
             f"checkpoint that stores it untied does): {_count(total + lm_head)}."
         )
 
+    def data_transforms(self) -> tuple[GrootTransform | None, GrootCollate | None]:
+        """``(transform, collate)`` for the loader's workers: tokenization there, not in the training loop."""
+        if self.tokenizer is None:
+            return None, None
+        return GrootTransform(self.tokenizer, self.config.max_language_tokens), GrootCollate(self.tokenizer.pad_id)
+
     # --- inputs ---------------------------------------------------------------------------------------------
     def _images(self, batch: dict[str, Any]) -> torch.Tensor:
         """Cameras stacked to float [B * n_cam, 3, S, S] in [-1, 1] (SigLIP's input range)."""
@@ -247,8 +299,8 @@ class GrootPolicy(Policy):
     def _language(self, batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded token ids [B, L] and mask; tokenizes ``task`` unless the batch brings token ids.
         Each sample keeps its own instruction (LeRobot 0.5.1's GR00T gave the whole batch the first one's)."""
-        if "observation.language.tokens" in batch:
-            tokens, mask = batch["observation.language.tokens"], batch["observation.language.attention_mask"]
+        if TOKENS in batch:
+            tokens, mask = batch[TOKENS], batch[TOKENS_MASK]
             return tokens.to(device), mask.to(device).bool()
         if self.tokenizer is None:
             raise RuntimeError("this policy has no tokenizer; pass observation.language.tokens")

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         t, d = x.shape
         q, k, v = (proj(x).view(t, self.heads, self.head_dim) for proj in (self.to_q, self.to_k, self.to_v))
         cu, n = layout.cu_seqlens, layout.max_seqlen
-        out = varlen_attention(q, k, v, cu, cu, n, n)
+        out = varlen_attention(q, k, v, cu, cu, n, n, backend=layout.backend)
         return self.dropout(self.to_out(out.reshape(t, d)))
 
     def forward_cross(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], layout: VLLayout) -> torch.Tensor:
@@ -137,7 +137,8 @@ class Attention(nn.Module):
         b, n, d = x.shape
         q = self.to_q(x).reshape(b * n, self.heads, self.head_dim)
         cu_q, max_q = layout.query_cu_seqlens(n)
-        out = varlen_attention(q, kv[0], kv[1], cu_q.to(x.device), layout.cu_seqlens, max_q, layout.max_seqlen)
+        out = varlen_attention(q, kv[0], kv[1], cu_q.to(x.device), layout.cu_seqlens, max_q, layout.max_seqlen,
+                               backend=layout.backend)
         return self.dropout(self.to_out(out.reshape(b, n, d)))
 
 

@@ -39,6 +39,7 @@ class VLLayout:
     max_seqlen: int
     position_ids: torch.Tensor
     is_sample: torch.Tensor
+    backend: str = "auto"  # the varlen_attention backend of every attention over this stream
 
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor, padded: bool = False) -> VLLayout:
@@ -73,7 +74,8 @@ class VLLayout:
 
     def to(self, device: torch.device) -> VLLayout:
         """Tensors the attention kernels read on ``device`` (flash-attention wants cu_seqlens there)."""
-        return VLLayout(self.cu_seqlens.to(device), self.max_seqlen, self.position_ids.to(device), self.is_sample)
+        return VLLayout(self.cu_seqlens.to(device), self.max_seqlen, self.position_ids.to(device), self.is_sample,
+                        self.backend)
 
 
 def pack_tokens(tokens: torch.Tensor, mask: torch.Tensor, padded: bool) -> tuple[torch.Tensor, VLLayout]:
@@ -116,7 +118,7 @@ class Qwen3Layer(nn.Module):
         k = rotate_stream(self.k_norm(self.k_proj(h).view(t, self.kv_heads, self.head_dim)), rope)
         v = self.v_proj(h).view(t, self.kv_heads, self.head_dim)
         cu, n = layout.cu_seqlens, layout.max_seqlen
-        attn = varlen_attention(q, k, v, cu, cu, n, n, causal=True)
+        attn = varlen_attention(q, k, v, cu, cu, n, n, causal=True, backend=layout.backend)
         x = x + self.o_proj(attn.flatten(1))
         return x + self.mlp(self.post_norm(x))
 
@@ -164,6 +166,7 @@ class EagleVLM(nn.Module):
         tokens = torch.cat([img, self.embed_tokens(ids)], dim=1)
         mask = torch.cat([lang_mask.new_ones(b, img.shape[1]), lang_mask], dim=1).bool()
         x, layout = pack_tokens(tokens, mask, padded)
+        layout.backend = self.cfg.attention_backend
         rope = rotary_tables(layout.position_ids[None], self.cfg.llm_head_dim, base=self.cfg.rope_theta)
         rope = (rope[0][0], rope[1][0])
         for layer in self.layers:

@@ -85,7 +85,9 @@ PI05_PRESETS: dict[str, dict] = {
                  num_heads=2, head_dim=16, mlp_dim=64, expert_width=32, expert_mlp_dim=48),
     # openpi / LeRobot pi0.5: SigLIP So400m/14 at 224, PaliGemma's Gemma 2B, a Gemma 300M action expert,
     # 3 camera slots, 200 prompt tokens with the state written in, 50-step chunks, 32-d padded state/action.
-    "full": dict(image_size=224, vit_patch_size=14, vit_dim=1152, vit_depth=27, vit_heads=16, vit_mlp_dim=4304,
+    # Packed batches by default at this size (the packing benchmark's gain); --policy.packing=false gives
+    # LeRobot's padded rows of 200 language positions.
+    "full": dict(packing=True, pad_language_to=200, image_size=224, vit_patch_size=14, vit_dim=1152, vit_depth=27, vit_heads=16, vit_mlp_dim=4304,
                  vit_conv_stem=False, pixel_shuffle=1, width=2048, depth=18, num_heads=8, num_kv_heads=1,
                  head_dim=256, mlp_dim=16384, expert_width=1024, expert_mlp_dim=4096, vocab_size=257152,
                  state_input="prompt", max_language_tokens=200, chunk_size=50, n_action_steps=50, state_dim=32,

@@ -80,11 +80,15 @@ class TaskTokenizer:
 
     def encode_batch(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids [B, L] and a bool mask (True = real), L = longest in the batch (<= max_length)."""
-        encoded = [self.encode(t)[:max_length] for t in texts]
-        length = max(1, max(len(e) for e in encoded))
-        ids = torch.full((len(encoded), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), length), dtype=torch.bool)
-        for i, e in enumerate(encoded):
-            ids[i, : len(e)] = torch.tensor(e, dtype=torch.long)
-            mask[i, : len(e)] = True
-        return ids, mask
+        return pad_token_ids([self.encode(t)[:max_length] for t in texts], self.pad_id)
+
+
+def pad_token_ids(encoded: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, L] and a bool mask (True = real), L = the longest sequence (at least 1)."""
+    length = max(1, max((len(e) for e in encoded), default=0))
+    ids = torch.full((len(encoded), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(encoded), length), dtype=torch.bool)
+    for i, e in enumerate(encoded):
+        ids[i, : len(e)] = torch.as_tensor(e, dtype=torch.long)
+        mask[i, : len(e)] = True
+    return ids, mask

@@ -263,6 +263,27 @@ def test_cli_build_resumes_with_nothing_to_do(lake: Path, sources: list[Path], t
     assert main(["lake", "verify", str(copy)]) == 0
 
 
+def test_a_second_build_into_the_same_lake_is_refused_until_the_first_dies(lake: Path, sources: list[Path],
+                                                                           tokenizer_path: Path, tmp_path: Path):
+    copy = tmp_path / "lake"
+    shutil.copytree(lake, copy)
+    holder = subprocess.Popen(  # another build, as far as the lock can tell
+        [sys.executable, "-c", "import sys; from pathlib import Path; from roboscale.data.lake import build_lock\n"
+         "with build_lock(Path(sys.argv[1])):\n    print('locked', flush=True); sys.stdin.read()", str(copy)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cfg = LakeConfig(sources=[str(s) for s in sources], output=str(copy), image_size=0, shard_frames=20,
+                         tokenizer=str(tokenizer_path))
+        with pytest.raises(DatasetError, match=rf"\.build\.lock: another lake build \(pid {holder.pid} on .*\) is "
+                                               "writing"):
+            build_lake(cfg)
+    finally:
+        holder.kill()  # as kill -9: the kernel drops its lock
+        holder.wait()
+    assert build_lake(cfg).built == []  # no stale lock left behind
+
+
 def test_corrupt_shard_is_detected_by_checksum_and_repaired(lake: Path, sources: list[Path], tokenizer_path: Path,
                                                             tmp_path: Path) -> None:
     copy = tmp_path / "lake"

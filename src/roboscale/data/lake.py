@@ -62,11 +62,14 @@ file, episode and field after the other shards have finished, and a rerun resume
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -99,6 +102,7 @@ SHARD_META = "shard.json"
 SHARD_COLUMNS = "columns.parquet"
 SHARD_STATS = "stats.safetensors"
 STAGING_DIR = ".staging"
+LOCK_NAME = ".build.lock"  # held while a build writes the lake (see build_lock)
 _RESIZE_CHUNK = 64  # frames per resize call: bounds the temporary buffers
 
 
@@ -830,6 +834,30 @@ def _manifest(cfg: LakeConfig, plans: Sequence[SourcePlan], specs: Sequence[Shar
     }
 
 
+@contextlib.contextmanager
+def build_lock(out: Path):
+    """One build per lake directory: a second build (another shell, a retried job) would interleave shard
+    writes and manifests. An OS lock (flock) on ``out/.build.lock``: the kernel releases it when the holder
+    exits, even by ``kill -9``, so a crashed build never leaves a stale lock behind."""
+    path = out / LOCK_NAME
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise DatasetError(path, f"another lake build ({holder}) is writing {out}; wait for it to finish or "
+                                     "build into another --output") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.truncate(0)
+
+
 def build_lake(cfg: LakeConfig, *, filesystems: Sequence[pafs.FileSystem | None] | None = None) -> BuildReport:
     """Compile ``cfg.sources`` into a lake at ``cfg.output``; resumes a partial build (see the module doc)."""
     cfg.check()
@@ -837,6 +865,12 @@ def build_lake(cfg: LakeConfig, *, filesystems: Sequence[pafs.FileSystem | None]
     out = Path(cfg.output).expanduser().resolve()
     plans, tasks = plan_sources(cfg, out / STAGING_DIR, filesystems)  # validation first: no output dir for bad input
     out.mkdir(parents=True, exist_ok=True)
+    with build_lock(out):
+        return _build_locked(cfg, out, plans, tasks, started)
+
+
+def _build_locked(cfg: LakeConfig, out: Path, plans: list[SourcePlan], tasks: list[str], started: float
+                  ) -> BuildReport:
     features, cameras, numeric = lake_features(plans, cfg)
     specs = plan_shards(plans, cfg, cameras, numeric)
     ctx = BuildContext(str(out), [p.handle for p in plans], [p.task_map for p in plans], features, cameras, numeric,

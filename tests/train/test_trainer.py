@@ -111,6 +111,11 @@ def test_training_logs_data_wait_and_hands_the_policys_data_transforms_to_the_lo
     waits = [e.value for e in acc.Scalars("train/data_wait")]
     assert waits and all(0.0 <= w <= 1.0 for w in waits)
     assert [e.value for e in acc.Scalars("loader/batches")][-1] == 5
+    tokens_per_s = [e.value for e in acc.Scalars("train/tokens_per_s")]
+    samples_per_s = [e.value for e in acc.Scalars("train/samples_per_s")]
+    # every sample brings at least its action chunk; the padded layout computes over some padding
+    assert tokens_per_s and all(t >= cfg.policy.chunk_size * s for t, s in zip(tokens_per_s, samples_per_s))
+    assert all(0.0 <= e.value < 1.0 for e in acc.Scalars("train/padding"))
 
 
 def test_cli_skip_bad_episodes_flag_sets_the_dataset_option(monkeypatch, tmp_path):

@@ -358,7 +358,10 @@ class GrootPolicy(Policy):
             loss = (err * keep).sum() / keep.sum().clamp_min(1.0)
         else:
             loss = err.mean()
-        return loss, {"loss": float(loss.detach())}
+        # VL stream + the DiT's [state, future tokens, actions] per sample
+        dit_tokens = actions.shape[0] * (1 + self.config.num_future_tokens + actions.shape[1])
+        return loss, {"loss": float(loss.detach()), "tokens": layout.sample_tokens + dit_tokens,
+                      "computed_tokens": layout.num_tokens + dit_tokens}
 
     @torch.no_grad()
     def predict_action_chunk(self, observation: dict[str, Any]) -> torch.Tensor:

@@ -64,6 +64,11 @@ class VLLayout:
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
 
+    @property
+    def sample_tokens(self) -> int:
+        """Tokens of sample segments: the stream without its padding."""
+        return int(self.cu_seqlens.diff().cpu()[self.is_sample].sum())
+
     def query_cu_seqlens(self, queries_per_sample: int) -> tuple[torch.Tensor, int]:
         """cu_seqlens for ``queries_per_sample`` query rows per sample attending to this stream (padding segments
         get no queries), for ``varlen_attention(q [B * n, H, D], k/v from this stream, ...)``."""

@@ -579,7 +579,8 @@ class Pi05Policy(Policy):
             loss = (err * keep).sum() / keep.sum().clamp_min(1.0)
         else:
             loss = err.mean()
-        return loss, {"loss": float(loss.detach())}
+        return loss, {"loss": float(loss.detach()), "tokens": batch.real_tokens,
+                      "computed_tokens": batch.computed_tokens}
 
     @torch.no_grad()
     def predict_action_chunk(self, observation: dict[str, Any] | PackedBatch) -> torch.Tensor:

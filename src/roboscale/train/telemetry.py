@@ -1,4 +1,9 @@
-"""Training telemetry: loss, samples/s, data-wait fraction; to TensorBoard and the log.
+"""Training telemetry: loss, samples/s, tokens/s, padding, data-wait fraction; to TensorBoard and the log.
+
+A policy's ``forward`` may report ``tokens`` (positions that carry data: real image, prompt and action tokens)
+and ``computed_tokens`` (positions it computed over, padding included) per step. They are summed, not averaged:
+``tokens_per_s`` is the throughput that packing is measured by, and ``padding`` = 1 - tokens / computed_tokens is
+the compute spent on nothing (LeRobot's pi0.5 layout: ~40%; packed: 0).
 
 ``data_wait`` is the fraction of wall time the loop spent blocked on the loader (0: the loader keeps up; near 1:
 the accelerator starves). It is measured around ``next(loader)`` in the training process, so it counts only waiting,
@@ -14,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+COUNTS = ("tokens", "computed_tokens")  # per-step counts: summed over the window, not averaged
 
 
 class Telemetry:
@@ -42,8 +49,13 @@ class Telemetry:
         if not log_now:
             return None
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        counts = {k: self._sums.pop(k) for k in COUNTS if k in self._sums}
         summary = {k: v / self._count for k, v in self._sums.items()}
         summary["samples_per_s"] = self._count * self.batch_size / elapsed
+        if "tokens" in counts:
+            summary["tokens_per_s"] = counts["tokens"] / elapsed
+            if counts.get("computed_tokens"):
+                summary["padding"] = 1.0 - counts["tokens"] / counts["computed_tokens"]
         summary["data_wait"] = self._wait / elapsed
         for k, v in summary.items():
             self.writer.add_scalar(f"train/{k}", v, step)

@@ -230,8 +230,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
                 summary = telemetry.step(step, metrics, log_now=log_now, loader_stats=stats)
                 bar.update(1)
                 if summary:
-                    bar.set_postfix(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}",
-                                    wait=f"{100 * summary['data_wait']:.0f}%")
+                    shown = dict(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}")
+                    if "tokens_per_s" in summary:
+                        shown["tok_s"] = f"{summary['tokens_per_s']:.0f}"
+                    bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
                 if step % cfg.save_freq == 0 or step == cfg.steps:
                     final = save_checkpoint(output_dir, step, policy, optimizer, scheduler, loader.state_dict(), cfg)
     finally:  # stop the loader's worker processes even when a step fails

@@ -16,7 +16,7 @@ import pytest
 from roboscale.data import DatasetWriter, LeRobotDataset
 from roboscale.data.lerobot_format import QUANTILES
 from roboscale.data.source import FrameSource
-from roboscale.errors import DatasetError
+from roboscale.errors import ConfigError, DatasetError
 
 from .conftest import SMALL_FEATURES, SMALL_FPS, SMALL_LENGTHS, assert_square, small_episode
 
@@ -51,7 +51,7 @@ def ray_session():
     if ray.is_initialized():  # another module's session: share it, leave it running
         yield
         return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -167,6 +167,60 @@ def test_lerobot_written_fixture_round_trips(ray_session, fixture_root: Path, tm
     assert _assert_lake_equals_raw(src, {str(fixture_root): fixture_root}, cameras, numeric) == 4
     frames = src.read(1, np.array([4]), ["observation.images.corner"])["observation.images.corner"]
     assert_square(frames[0], 4, 1, "lake corner camera")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_build_runs_on_an_existing_ray_cluster(fixture_root: Path, tmp_path: Path) -> None:
+    """`--ray-address`: a head started apart (`ray start --head`, token auth on, bound to localhost) runs the
+    build; the CLI runs in its own process, as a user's shell would (this process may hold a local Ray)."""
+    import os
+    import secrets
+    import signal
+
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    port = _free_port()
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in head.stdout:  # ready once it says so (it then blocks until terminated)
+            if "Ray runtime started" in line:
+                break
+        else:
+            pytest.fail(f"ray start --head exited with {head.wait()}")
+        out = tmp_path / "lake"
+        build = [sys.executable, "-m", "roboscale.cli", "lake", "build", str(fixture_root), "--output", str(out),
+                 "--image-size", "0", "--ray-address", f"127.0.0.1:{port}"]
+        done = subprocess.run(build, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "Connecting to existing Ray cluster" in done.stderr and "1 built" in done.stdout
+    finally:
+        head.send_signal(signal.SIGINT)  # --block: Ctrl-C shuts its cluster down (only its own) within a second
+        head.wait(timeout=60)
+    cameras = ["observation.images.corner", "observation.images.gripper"]
+    numeric = ["observation.state", "action", "frame_index", "timestamp"]
+    assert _assert_lake_equals_raw(LakeSource(out, verify=True), {str(fixture_root): fixture_root}, cameras,
+                                   numeric) == 4
+
+
+def test_an_unreachable_ray_address_fails_in_seconds_before_writing(fixture_root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "lake"
+    cfg = LakeConfig(sources=[str(fixture_root)], output=str(out), image_size=0,
+                     ray_address=f"127.0.0.1:{_free_port()}")
+    with pytest.raises(ConfigError, match=r"--ray-address 127\.0\.0\.1:\d+: cannot reach it .*ray start --head"):
+        build_lake(cfg)
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="expected HOST:PORT"):
+        build_lake(LakeConfig(sources=[str(fixture_root)], output=str(out), ray_address="localhost"))
 
 
 # --------------------------------------------------------------------------------------------------- stats

@@ -622,10 +622,33 @@ def _ensure_ray(cfg: LakeConfig) -> bool:
     if ray.is_initialized():
         return False
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=True)
+        try:
+            ray.init(address=cfg.ray_address, log_to_driver=True)
+        except ConnectionError as e:
+            raise ConfigError(
+                f"--ray-address {cfg.ray_address}: {e}. A cluster with token authentication (what `ray start` does "
+                "by default since Ray 2.59) also needs RAY_AUTH_MODE=token in this shell, and its token in "
+                "RAY_AUTH_TOKEN or ~/.ray/auth_token") from None
     else:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True)
+        # "local": a Ray of our own, even where `ray start` left a cluster address behind (ray.init() would
+        # join that cluster, and refuse num_cpus)
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True)
     return True
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds on a wrong host:port: Ray itself retries for minutes before giving up."""
+    if address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address {address!r}: expected HOST:PORT (the head's GCS address, port 6379 by "
+                          "default), ray://HOST:PORT, or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"--ray-address {address}: cannot reach it ({e.strerror or e}); is the head running "
+                          "(`ray start --head`) and is the address right?") from None
 
 
 def _ray_map(items: list[dict[str, Any]], fn: Callable[[dict[str, Any]], dict[str, Any]], cpus: float,
@@ -861,6 +884,8 @@ def build_lock(out: Path):
 def build_lake(cfg: LakeConfig, *, filesystems: Sequence[pafs.FileSystem | None] | None = None) -> BuildReport:
     """Compile ``cfg.sources`` into a lake at ``cfg.output``; resumes a partial build (see the module doc)."""
     cfg.check()
+    if cfg.ray_address:
+        _check_reachable(cfg.ray_address)
     started = time.perf_counter()
     out = Path(cfg.output).expanduser().resolve()
     plans, tasks = plan_sources(cfg, out / STAGING_DIR, filesystems)  # validation first: no output dir for bad input

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from roboscale.data.packing import PackedBatch, collate
+from roboscale.data.packing import PackCollate, PackedBatch, collate
 from tests.models.helpers import CAMERAS, batch, sample_dicts, tiny_policy
 
 
@@ -41,6 +41,31 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients():
     # The packed stream holds only real tokens; the padded one also empty slots and language padding.
     assert packed.computed_tokens == packed.real_tokens < padded.computed_tokens
     _assert_same(_loss_and_grads(policy, packed), _loss_and_grads(policy, padded))
+
+
+def test_token_budget_micro_batches_give_the_whole_batchs_loss_and_gradients(monkeypatch):
+    import roboscale.models.pi05 as pi05_module
+    from roboscale.train.trainer import accumulate_gradients
+
+    # flow time and noise as functions of each sample (not of its place in a batch), so both splits draw alike
+    monkeypatch.setattr(pi05_module, "sample_time", lambda b, device, *a: torch.full((b,), 0.6, device=device))
+    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.sin(3 * x + 1))
+    policy = tiny_policy(packing=True)
+    transform, _ = policy.data_transforms()
+    samples = [transform(s) for s in sample_dicts(6)]  # unequal prompts, some padded actions
+    spec = policy.prefix_spec()
+    whole = collate(samples, spec, packed=True)
+    budget = max(spec.sample_tokens(s) for s in samples) + 8
+    micro = PackCollate(spec, packed=True, budget=budget)(samples)
+    assert len(micro) >= 3 and all(m.real_tokens <= budget for m in micro)
+    assert sorted(torch.cat([m.episode_index for m in micro]).tolist()) == sorted(whole.episode_index.tolist())
+    loss, grads = _loss_and_grads(policy, whole)
+    policy.zero_grad()
+    metrics = accumulate_gradients(policy, micro)
+    torch.testing.assert_close(torch.tensor(metrics["loss"]), loss, rtol=1e-5, atol=1e-7)
+    assert metrics["tokens"] == whole.real_tokens and "loss_weight" not in metrics
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "dense", "eager"])

@@ -118,6 +118,26 @@ def test_training_logs_data_wait_and_hands_the_policys_data_transforms_to_the_lo
     assert all(0.0 <= e.value < 1.0 for e in acc.Scalars("train/padding"))
 
 
+def test_a_token_budget_trains_on_micro_batches_built_in_the_workers(tiny_dataset, tmp_path, monkeypatch):
+    import roboscale.train.trainer as trainer
+
+    seen = []
+    accumulate = trainer.accumulate_gradients
+
+    def spy(policy, batch):
+        seen.append(len(batch) if isinstance(batch, list) else 0)
+        return accumulate(policy, batch)
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", spy)
+    cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=5)
+    cfg.policy.packing, cfg.policy.pack_token_budget = True, 100  # 16 samples of ~18 tokens: 3 micro-batches
+    cfg.dataset.num_workers = 1  # lists of PackedBatches cross the worker boundary
+    final = train(cfg, progress=False)
+    assert len(seen) == 5 and min(seen) >= 2
+    assert Policy.from_pretrained(final).config.pack_token_budget == 100
+    assert all(torch.isfinite(torch.tensor(v)) for v in _losses(tmp_path / "run"))
+
+
 def test_cli_skip_bad_episodes_flag_sets_the_dataset_option(monkeypatch, tmp_path):
     import roboscale.train.trainer as trainer
     from roboscale.cli import main

@@ -426,11 +426,14 @@ def pack_micro_batches(
 
 @dataclass
 class PackCollate:
-    """A picklable collate for the loader's workers: a list of samples -> one PackedBatch."""
+    """A picklable collate for the loader's workers: a list of samples -> one PackedBatch, or, packed with a
+    ``budget``, the list of micro-batches (each within the budget) that the trainer accumulates gradients over."""
 
     spec: PrefixSpec
     packed: bool = True
     budget: int = 0
 
-    def __call__(self, samples: Sequence[TokenizedSample]) -> PackedBatch:
+    def __call__(self, samples: Sequence[TokenizedSample]) -> PackedBatch | list[PackedBatch]:
+        if self.packed and self.budget:
+            return pack_micro_batches(samples, self.spec, self.budget)
         return collate(samples, self.spec, packed=self.packed, budget=self.budget)

@@ -128,7 +128,9 @@ class Pi05Config(PolicyConfig):
     pad_language_to: int = 0
     """Padded layout only: language positions per row (LeRobot pads to 200); 0 = the longest prompt of the batch."""
     pack_token_budget: int = 0
-    """Packed layout: the most tokens (prefix + actions) one collated batch may hold; 0 = no limit."""
+    """Packed layout: the most tokens (prefix + actions) one micro-batch may hold. A batch over it is split by
+    best-fit decreasing into micro-batches whose gradients the trainer accumulates (the same update as the whole
+    batch, at bounded activation memory). 0 = one micro-batch per batch."""
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -576,10 +578,13 @@ class Pi05Policy(Policy):
         err = (pred - target).pow(2).mean(-1)  # [B, T]
         if self.config.action_loss_mask and batch.actions_is_pad is not None:
             keep = (~batch.actions_is_pad.bool()).float()
-            loss = (err * keep).sum() / keep.sum().clamp_min(1.0)
+            weight = keep.sum().clamp_min(1.0)
+            loss = (err * keep).sum() / weight
         else:
+            weight = torch.tensor(float(err.numel()))
             loss = err.mean()
-        return loss, {"loss": float(loss.detach()), "tokens": batch.real_tokens,
+        # loss_weight: the loss's denominator, so micro-batch losses combine into the whole batch's mean
+        return loss, {"loss": float(loss.detach()), "loss_weight": float(weight), "tokens": batch.real_tokens,
                       "computed_tokens": batch.computed_tokens}
 
     @torch.no_grad()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ from roboscale.config import ConfigError, save_yaml
 import roboscale.models.registry  # noqa: F401  (registers every policy type for --policy.type)
 from roboscale.models.pi05 import Pi05Config
 from roboscale.models.policy import PolicyConfig
+from roboscale.train.telemetry import COUNTS
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,35 @@ def loader_workers(requested: int) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+def accumulate_gradients(policy: torch.nn.Module, batch: Any) -> dict[str, float]:
+    """Forward and backward over a batch, or over the micro-batches of one (a list: a token-budgeted collate).
+
+    Micro-batches leave the gradients of the whole batch's loss: sum_i w_i loss_i / sum_i w_i, where w_i is the
+    ``loss_weight`` a policy's forward reports (its loss's denominator, e.g. the unpadded action values), so a
+    budget bounds activation memory without changing the update. Returns the step's metrics: the loss as that
+    weighted mean, token counts summed, the rest averaged."""
+    if not isinstance(batch, list):
+        loss, metrics = policy(batch)
+        loss.backward()
+        metrics.pop("loss_weight", None)
+        return metrics
+    total_weight, sums = 0.0, defaultdict(float)
+    for micro in batch:
+        loss, metrics = policy(micro)
+        weight = metrics.pop("loss_weight", None)
+        if weight is None:
+            raise TypeError(f"{type(policy).__name__}.forward reports no loss_weight, so its micro-batches cannot be "
+                            "combined; collate whole batches for it (no token budget)")
+        (loss * weight).backward()
+        total_weight += weight
+        for key, value in metrics.items():
+            sums[key] += value * weight if key == "loss" else value
+    for p in policy.parameters():
+        if p.grad is not None:
+            p.grad.div_(total_weight)
+    return {k: v / total_weight if k == "loss" else v if k in COUNTS else v / len(batch) for k, v in sums.items()}
+
+
 def train(cfg: TrainConfig, progress: bool = True) -> Path:
     """Train and return the final checkpoint's ``pretrained_model`` directory."""
     from tqdm import tqdm
@@ -214,9 +246,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
             while step < cfg.steps:
                 with telemetry.data_wait():
                     batch = next(loader)
-                loss, metrics = policy(batch)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                metrics = accumulate_gradients(policy, batch)
                 if cfg.optimizer.grad_clip_norm > 0:
                     metrics["grad_norm"] = float(
                         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optimizer.grad_clip_norm)

@@ -162,6 +162,27 @@ def test_every_problem_at_once(small_copy: Path) -> None:
         bad_episodes(small_copy)
 
 
+def test_stats_values_that_would_break_normalization(small_copy: Path) -> None:
+    stats = small_copy / fmt.STATS_PATH
+    obj = json.loads(stats.read_text())
+    obj["action"]["std"][0] = -1.0
+    obj["action"]["q99"] = [v - 100.0 for v in obj["action"]["min"]]  # below min: quantiles out of order
+    obj["observation.state"]["mean"] = obj["observation.state"]["mean"][:1]  # one value for a multi-dim feature
+    obj["frame_index"]["max"] = [float("nan")]
+    obj["next.reward"]["count"] = [0]
+    stats.write_text(json.dumps(obj))
+    by_field = {}
+    for p in validate(small_copy).problems:
+        assert p.path == stats
+        by_field.setdefault(p.field, []).append(p.message)
+    assert sorted(by_field) == ["action", "frame_index", "next.reward", "observation.state"], by_field
+    assert any("'std' is negative" in m for m in by_field["action"])
+    assert any("'q90' exceeds 'q99'" in m for m in by_field["action"])
+    assert by_field["observation.state"] == ["'mean' has 1 values, the feature has 4"]
+    assert by_field["frame_index"] == ["'max' is not finite"]
+    assert "'count' must be one positive number" in by_field["next.reward"][0]
+
+
 def test_bad_episodes_maps_each_episode_to_its_reason(small_copy: Path) -> None:
     _truncate(small_copy / DATA_OF[2], 0.5)
     _shift_timestamps(small_copy, 0, 0.5)

@@ -47,6 +47,36 @@ _VIDEO_SUFFIXES = ("chunk_index", "file_index", "from_timestamp", "to_timestamp"
 _REQUIRED_STATS = ("min", "max", "mean", "std", "count")
 
 
+def stats_value_problems(stats: Mapping[str, np.ndarray], feature: Mapping[str, Any]) -> list[str]:
+    """What is wrong with one feature's normalization stats: sizes that do not match the feature (cameras: one
+    value per channel), non-finite values, a negative std or count, and min <= q01 <= ... <= q99 <= max and
+    min <= mean <= max broken beyond float32 rounding. A model normalized with such stats trains on garbage."""
+    size = fmt.image_hwc(feature)[2] if fmt.is_camera(feature) else int(np.prod(fmt.feature_shape(feature)))
+    names = [n for n in ("min", "max", "mean", "std", *fmt.QUANTILES) if n in stats]
+    values = {n: np.asarray(stats[n], dtype=np.float64).reshape(-1) for n in names}
+    problems = [f"'{n}' has {v.size} values, the feature has {size}" for n, v in values.items() if v.size != size]
+    if problems:
+        return problems
+    problems += [f"'{n}' is not finite" for n, v in values.items() if not np.isfinite(v).all()]
+    count = np.asarray(stats["count"], dtype=np.float64).reshape(-1)
+    if count.size != 1 or not np.isfinite(count).all() or count[0] <= 0:
+        problems.append(f"'count' must be one positive number, got {count.tolist()}")
+    if problems:
+        return problems
+    lo, hi = values["min"], values["max"]
+    slack = 1e-5 * np.maximum(1.0, np.abs(lo) + np.abs(hi))  # float32 rounding of what was written
+    if (values["std"] < 0).any():
+        problems.append("'std' is negative")
+    order = ["min", *[q for q in fmt.QUANTILES if q in values], "max"]
+    for a, b in zip(order, order[1:]):
+        above = np.flatnonzero(values[a] > values[b] + slack)
+        if above.size:
+            problems.append(f"'{a}' exceeds '{b}' (at dims {above[:5].tolist()})")
+    if ((values["mean"] < lo - slack) | (values["mean"] > hi + slack)).any():
+        problems.append("'mean' lies outside [min, max]")
+    return problems
+
+
 # --------------------------------------------------------------------------------------------------- results
 
 
@@ -279,6 +309,9 @@ class _Checker:
             absent = [s for s in _REQUIRED_STATS if s not in stats[key]]
             if absent:
                 self.add(path, f"stats missing: {absent}", field=key)
+                continue
+            for problem in stats_value_problems(stats[key], info.features[key]):
+                self.add(path, problem, field=key)
 
     # ------------------------------------------------------------------ data files
 

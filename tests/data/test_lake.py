@@ -482,6 +482,34 @@ def test_remote_source_is_staged_through_a_pyarrow_filesystem(ray_session, small
     assert _assert_lake_equals_raw(LakeSource(out, verify=True), {"dataset": small_root}, CAMERAS) == 5
 
 
+def test_staged_files_are_refetched_when_the_remote_file_changed(small_copy: Path, tmp_path: Path) -> None:
+    import os
+
+    import pyarrow.fs as pafs
+
+    from roboscale.data.lake import open_source
+
+    remote = pafs.SubTreeFileSystem(str(small_copy.parent), pafs.LocalFileSystem())
+    handle = open_source("dataset", 0, tmp_path / "staging", remote)
+    target = next((small_copy / "data").rglob("*.parquet")).relative_to(small_copy).as_posix()
+    handle.stage([target])
+    staged = handle.local_root / target
+    assert staged.read_bytes() == (small_copy / target).read_bytes()
+    before = staged.stat().st_ino
+    handle.stage([target])
+    assert staged.stat().st_ino == before  # same size and mtime: the earlier copy is reused
+    # the remote file is rewritten (same name, same size: a quick check on size alone would miss it)
+    data = bytearray((small_copy / target).read_bytes())
+    data[-10] ^= 0xFF
+    (small_copy / target).write_bytes(bytes(data))
+    stat = (small_copy / target).stat()
+    os.utime(small_copy / target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    handle.stage([target])
+    assert staged.read_bytes() == bytes(data)
+    with pytest.raises(DatasetError, match="dataset/data/missing.parquet: cannot fetch: no such file"):
+        handle.stage(["data/missing.parquet"])
+
+
 def test_open_source_recognizes_a_lake(lake: Path) -> None:
     from roboscale.data.source import open_source
 

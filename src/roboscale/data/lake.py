@@ -198,25 +198,43 @@ class SourceHandle:
     remote_path: str = ""
 
     def stage(self, relpaths: Sequence[str]) -> None:
-        """Copy missing files from the remote filesystem into ``local_root`` (atomically: other shard tasks of
-        the same source may stage the same file concurrently)."""
+        """Copy files from the remote filesystem into ``local_root`` unless an earlier build staged the same
+        version (rsync's quick check: same size and modification time), atomically: other shard tasks of the
+        same source may stage the same file concurrently."""
         if self.filesystem is None:
             return
         for rel in relpaths:
             dst = self.local_root / rel
-            if dst.exists():
+            remote = f"{self.remote_path}/{rel}"
+            try:
+                info = self.filesystem.get_file_info(remote)
+            except (OSError, pa.ArrowException) as e:
+                raise DatasetError(f"{self.uri}/{rel}", f"cannot fetch: {e}") from None
+            if info.type != pafs.FileType.File:
+                raise DatasetError(f"{self.uri}/{rel}", "cannot fetch: no such file")
+            if _staged_copy_is_current(dst, info):
                 continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
             os.close(fd)
             try:
-                pafs.copy_files(f"{self.remote_path}/{rel}", tmp, source_filesystem=self.filesystem,
+                pafs.copy_files(remote, tmp, source_filesystem=self.filesystem,
                                 destination_filesystem=pafs.LocalFileSystem())
+                if info.mtime_ns is not None:  # what the next build's quick check compares
+                    os.utime(tmp, ns=(info.mtime_ns, info.mtime_ns))
                 os.replace(tmp, dst)
             except (OSError, pa.ArrowException) as e:
                 raise DatasetError(f"{self.uri}/{rel}", f"cannot fetch: {e}") from None
             finally:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def _staged_copy_is_current(dst: Path, remote: pafs.FileInfo) -> bool:
+    try:
+        local = dst.stat()
+    except FileNotFoundError:
+        return False
+    return local.st_size == remote.size and (remote.mtime_ns is None or local.st_mtime_ns == remote.mtime_ns)
 
 
 def open_source(uri: str, index: int, staging: Path, filesystem: pafs.FileSystem | None = None) -> SourceHandle:

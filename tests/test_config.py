@@ -57,6 +57,26 @@ def test_help_lists_the_options_of_the_chosen_policy_type(capsys):
     assert "--policy.expert_width" in capsys.readouterr().out  # the default type, pi05
 
 
+def test_positional_arguments_fill_the_named_fields():
+    from roboscale.data.convert import ConvertConfig
+    from roboscale.data.lake import LakeConfig
+    from roboscale.data.validate import ValidateConfig
+
+    lake = parse(LakeConfig, ["a", "b", "--output", "o", "--no-validate", "--image-size", "0", "--repair", "c"],
+                 positional=("sources",))
+    assert (lake.sources, lake.output, lake.validate, lake.image_size, lake.repair) == (["a", "b", "c"], "o", False,
+                                                                                          0, True)
+    check = parse(ValidateConfig, ["--quick", "dir"], positional=("root",))  # a bare flag does not eat DIR
+    assert (check.root, check.quick) == ("dir", True)
+    assert parse(ValidateConfig, ["--quick", "false", "dir"], positional=("root",)).quick is False
+    convert = parse(ConvertConfig, ["old", "new", "--video-files-size-in-mb=0.5"], positional=("src", "dst"))
+    assert (convert.src, convert.dst, convert.video_files_size_in_mb) == ("old", "new", 0.5)
+    with pytest.raises(ConfigError, match="takes SRC DST, got 1 arguments"):
+        parse(ConvertConfig, ["old"], positional=("src", "dst"))
+    with pytest.raises(ConfigError, match="unexpected argument 'stray'"):
+        parse(TrainConfig, ["stray"])
+
+
 def test_space_separated_values_make_a_list_and_dashes_are_accepted():
     from roboscale.sim.experts import GenerateConfig
 

@@ -42,20 +42,14 @@ def _info(argv: list[str]) -> None:
 
 
 def _validate(argv: list[str]) -> None:
-    import argparse
-
-    from roboscale.data.validate import DEFAULT_TOLERANCE_S, validate
+    from roboscale.config import parse
+    from roboscale.data.validate import ValidateConfig, validate
     from roboscale.errors import DatasetError
 
-    parser = argparse.ArgumentParser(prog="roboscale data validate",
-                                     description="check every file of a LeRobot v3.0 dataset; list every problem")
-    parser.add_argument("root", metavar="DATASET_DIR")
-    parser.add_argument("--quick", action="store_true",
-                        help="index columns and one frame per episode and camera instead of decoding everything")
-    parser.add_argument("--tolerance-s", type=float, default=DEFAULT_TOLERANCE_S,
-                        help="allowed timestamp error in seconds (LeRobot's tolerance_s)")
-    args = parser.parse_args(argv)
-    report = validate(args.root, full=not args.quick, tolerance_s=args.tolerance_s)
+    cfg = parse(ValidateConfig, argv, prog="roboscale data validate", positional=("root",))
+    if not cfg.root:
+        raise SystemExit("usage: roboscale data validate ROOT [--quick] [--tolerance-s S]")
+    report = validate(cfg.root, full=not cfg.quick, tolerance_s=cfg.tolerance_s)
     if len(report.problems) == 1 and report.episodes == 0:  # e.g. no meta/info.json: nothing else was checked
         only = report.problems[0]
         raise DatasetError(only.path, only.message, field=only.field, episode=only.episode)
@@ -64,56 +58,29 @@ def _validate(argv: list[str]) -> None:
     checked = f"{report.episodes} episodes, {report.frames} frames, {report.files_checked} files"
     if report.problems:
         bad = len(report.bad_episodes())
-        raise DatasetError(args.root, f"{len(report.problems)} problems ({bad} episodes affected) in {checked}")
-    print(f"{args.root}: no problems ({checked} checked{', quick' if args.quick else ''})")
+        raise DatasetError(cfg.root, f"{len(report.problems)} problems ({bad} episodes affected) in {checked}")
+    print(f"{cfg.root}: no problems ({checked} checked{', quick' if cfg.quick else ''})")
 
 
 def _convert(argv: list[str]) -> None:
-    import argparse
+    import dataclasses
 
-    from roboscale.data.convert import convert_v21_to_v30
-    from roboscale.data.lerobot_format import DEFAULT_DATA_FILE_SIZE_MB, DEFAULT_VIDEO_FILE_SIZE_MB
+    from roboscale.config import parse
+    from roboscale.data.convert import ConvertConfig, convert_v21_to_v30
 
-    parser = argparse.ArgumentParser(prog="roboscale data convert",
-                                     description="convert a LeRobot v2.0/v2.1 dataset to v3.0 (SRC is not modified)")
-    parser.add_argument("src", metavar="SRC")
-    parser.add_argument("dst", metavar="DST")
-    parser.add_argument("--reencode", action="store_true",
-                        help="decode and re-encode videos instead of stream-copying them (slower, lossy)")
-    parser.add_argument("--video-codec", default="libsvtav1", help="encoder for --reencode (libsvtav1, libx264)")
-    parser.add_argument("--data-files-size-in-mb", type=float, default=DEFAULT_DATA_FILE_SIZE_MB)
-    parser.add_argument("--video-files-size-in-mb", type=float, default=DEFAULT_VIDEO_FILE_SIZE_MB)
-    parser.add_argument("--tolerance-s", type=float, default=1e-4,
-                        help="allowed difference between a source timestamp and frame_index/fps")
-    args = parser.parse_args(argv)
-    dst = convert_v21_to_v30(args.src, args.dst, reencode=args.reencode, video_codec=args.video_codec,
-                             data_files_size_in_mb=args.data_files_size_in_mb,
-                             video_files_size_in_mb=args.video_files_size_in_mb, tolerance_s=args.tolerance_s,
-                             progress=sys.stderr.isatty())
+    cfg = parse(ConvertConfig, argv, prog="roboscale data convert", positional=("src", "dst"))
+    if not cfg.src or not cfg.dst:
+        raise SystemExit("usage: roboscale data convert SRC DST [--reencode] [--video-codec C] (see --help)")
+    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("src", "dst")}
+    dst = convert_v21_to_v30(cfg.src, cfg.dst, progress=sys.stderr.isatty(), **options)
     print(f"converted to {dst}")
 
 
 def _lake_build(argv: list[str]) -> None:
-    import argparse
-
+    from roboscale.config import parse
     from roboscale.data.lake import LakeConfig, build_lake
 
-    parser = argparse.ArgumentParser(prog="roboscale lake build",
-                                     description="compile LeRobot v3.0 datasets into training shards (Ray Data)")
-    parser.add_argument("sources", nargs="+", metavar="SRC", help="dataset roots: paths or pyarrow URIs (s3://...)")
-    parser.add_argument("--output", required=True, metavar="DIR")
-    parser.add_argument("--image-size", type=int, default=224, help="square camera side; 0 keeps native sizes")
-    parser.add_argument("--resize", choices=["pad", "stretch"], default="pad")
-    parser.add_argument("--shard-frames", type=int, default=2048)
-    parser.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
-    parser.add_argument("--cpus-per-task", type=float, default=0.5)
-    parser.add_argument("--stats-bins", type=int, default=4096, help="quantile error <= (max - min) / bins")
-    parser.add_argument("--tokenizer", default=None, metavar="tokenizer.json", help="precompute task token ids")
-    parser.add_argument("--no-validate", dest="validate", action="store_false")
-    parser.add_argument("--repair", action="store_true", help="re-hash built shards, rebuild damaged ones")
-    args = parser.parse_args(argv)
-    report = build_lake(LakeConfig(**vars(args)))
+    report = build_lake(parse(LakeConfig, argv, prog="roboscale lake build", positional=("sources",)))
     print(f"lake {report.output}: {report.episodes} episodes, {report.frames} frames, {len(report.built)} built, "
           f"{len(report.skipped)} reused shards, {report.seconds:.1f} s")
 

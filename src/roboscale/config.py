@@ -204,36 +204,66 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
-def parse(cls: type[T], argv: list[str], defaults: T | None = None, prog: str = "roboscale") -> T:
-    """``--config file.yaml`` then ``--a.b=value`` / ``--a.b value`` overrides; ``--help`` prints every option."""
+_BOOL_WORDS = ("true", "false", "1", "0", "yes", "no", "on", "off")
+
+
+def _arity(hints: dict[str, Any], key: str) -> str:
+    """How many values ``--key v1 v2 ...`` takes: 'bool' (none, or one true/false), 'one', or 'many' (lists,
+    and dotted keys, whose type this level does not know)."""
+    if key == "config":
+        return "one"
+    if key not in hints:
+        return "many"
+    _, tp = _is_optional(hints[key])
+    if tp is bool:
+        return "bool"
+    return "many" if typing.get_origin(tp) in (list, tuple) else "one"
+
+
+def parse(cls: type[T], argv: list[str], defaults: T | None = None, prog: str = "roboscale",
+          positional: tuple[str, ...] = ()) -> T:
+    """``--config file.yaml`` then ``--a.b=value`` / ``--a.b value`` overrides; ``--help`` prints every option.
+
+    ``positional``: fields that bare arguments fill, in order (one list field takes them all), as in
+    ``roboscale lake build SRC... --output DIR``. ``--no-NAME`` sets a boolean field false."""
     if "-h" in argv or "--help" in argv:
         # the options of what the other arguments select (``--policy.type=groot --help`` lists GR00T's fields)
         rest = [a for a in argv if a not in ("-h", "--help")]
         try:
-            shown = parse(cls, rest, defaults, prog)
+            shown = parse(cls, rest, defaults, prog, positional)
         except ConfigError:
             shown = defaults if defaults is not None else cls()
-        print(help_text(cls, prog, shown))
+        print(help_text(cls, prog, shown, positional))
         raise SystemExit(0)
     base = to_dict(defaults if defaults is not None else cls())
+    hints = _hints(cls)
     overrides: dict = {}
+    loose: list[str] = []
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.name=value (see --help)")
+            loose.append(arg)
+            i += 1
+            continue
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
+            key = key.replace("-", "_")
         else:
-            key = arg[2:]
+            key = arg[2:].replace("-", "_")
+            arity = _arity(hints, key)
             values = []
             while i + 1 < len(args) and not args[i + 1].startswith("--"):
-                values.append(args[i + 1])
+                nxt = args[i + 1]
+                if (arity == "one" and values) or (arity == "bool" and (values or nxt.lower() not in _BOOL_WORDS)):
+                    break  # what follows is a positional argument
+                values.append(nxt)
                 i += 1
             # `--tasks a b` gives a list; `--steps 5` a scalar; a bare flag switches a boolean on.
             value = values[0] if len(values) == 1 else (values or "true")
-        key = key.replace("-", "_")
+            if key.startswith("no_") and not values and _arity(hints, key[3:]) == "bool":
+                key, value = key[3:], "false"
         if key == "config":
             path = Path(value)
             if not path.is_file():
@@ -248,7 +278,22 @@ def parse(cls: type[T], argv: list[str], defaults: T | None = None, prog: str = 
         else:
             _set_dotted(overrides, key, _parse_scalar(value) if isinstance(value, str) else value)
         i += 1
+    if loose:
+        _set_positional(overrides, loose, positional, hints, prog)
     return from_dict(cls, _merge(base, overrides))
+
+
+def _set_positional(overrides: dict, values: list[str], positional: tuple[str, ...], hints: dict[str, Any],
+                    prog: str) -> None:
+    if not positional:
+        raise ConfigError(f"unexpected argument {values[0]!r}; options look like --section.name=value (see --help)")
+    if len(positional) == 1 and _arity(hints, positional[0]) == "many":
+        overrides[positional[0]] = values
+        return
+    if len(values) != len(positional):
+        raise ConfigError(f"{prog} takes {' '.join(p.upper() for p in positional)}, got {len(values)} arguments: "
+                          f"{values}")
+    overrides.update(zip(positional, values, strict=True))
 
 
 def _parse_scalar(value: str) -> Any:
@@ -262,8 +307,10 @@ def _parse_scalar(value: str) -> Any:
     return value
 
 
-def help_text(cls: type, prog: str, value: Any = None) -> str:
-    lines = [f"usage: {prog} [--config FILE.yaml] [--option=value ...]", ""]
+def help_text(cls: type, prog: str, value: Any = None, positional: tuple[str, ...] = ()) -> str:
+    hints = _hints(cls)
+    args = " ".join(f"{p.upper()}{'...' if _arity(hints, p) == 'many' else ''}" for p in positional)
+    lines = [f"usage: {prog} {args + ' ' if args else ''}[--config FILE.yaml] [--option=value ...]", ""]
     doc = inspect.getdoc(cls)
     if doc:
         lines += [doc, ""]

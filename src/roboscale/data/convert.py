@@ -615,6 +615,26 @@ def _flush_rows(meta: _ParquetShards, pending: list[dict[str, Any]], schema: pa.
     pending.clear()
 
 
+@dataclass
+class ConvertConfig:
+    """Convert a LeRobot v2.0/v2.1 dataset to v3.0 (the source is not modified)."""
+
+    src: str = ""
+    """The v2.0/v2.1 dataset directory."""
+    dst: str = ""
+    """The new v3.0 dataset directory (must not exist, or be empty)."""
+    reencode: bool = False
+    """Decode and re-encode videos instead of stream-copying them (slower, lossy)."""
+    video_codec: str = "libsvtav1"
+    """Encoder for --reencode (libsvtav1, libx264)."""
+    data_files_size_in_mb: float = fmt.DEFAULT_DATA_FILE_SIZE_MB
+    """Rotate to a new data parquet file past this size."""
+    video_files_size_in_mb: float = fmt.DEFAULT_VIDEO_FILE_SIZE_MB
+    """Rotate to a new mp4 per camera past this size."""
+    tolerance_s: float = DEFAULT_TOLERANCE_S
+    """Allowed difference between a source timestamp and frame_index / fps."""
+
+
 def convert_v21_to_v30(
     src: str | Path,
     dst: str | Path,

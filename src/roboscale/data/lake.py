@@ -108,9 +108,11 @@ _RESIZE_CHUNK = 64  # frames per resize call: bounds the temporary buffers
 
 @dataclass
 class LakeConfig:
-    sources: list[str]
+    """Compile LeRobot v3.0 datasets into training-ready shards with Ray Data (resumable)."""
+
+    sources: list[str] = field(default_factory=list)
     """LeRobot v3.0 dataset roots: local paths or pyarrow filesystem URIs (s3://bucket/ds, file:///data/ds)."""
-    output: str
+    output: str = ""
     """Lake directory (local or a shared filesystem mounted on every Ray node)."""
     image_size: int = 224
     """Square side of every camera in the shards; 0 keeps each camera's native resolution."""
@@ -136,7 +138,9 @@ class LakeConfig:
 
     def check(self) -> None:
         if not self.sources:
-            raise ConfigError("lake build needs at least one source dataset")
+            raise ConfigError("lake build needs at least one source dataset: roboscale lake build SRC... --output DIR")
+        if not self.output:
+            raise ConfigError("lake build needs --output DIR")
         if self.image_size < 0:
             raise ConfigError(f"--image-size must be >= 0, got {self.image_size}")
         if self.resize not in ("pad", "stretch"):

@@ -514,6 +514,18 @@ def _type_compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
 # --------------------------------------------------------------------------------------------------- public
 
 
+@dataclass
+class ValidateConfig:
+    """Check every file of a LeRobot v3.0 dataset and list every problem (exit status 1 if there are any)."""
+
+    root: str = ""
+    """The dataset directory."""
+    quick: bool = False
+    """Index columns and one frame per episode and camera instead of decoding everything."""
+    tolerance_s: float = DEFAULT_TOLERANCE_S
+    """Allowed timestamp error in seconds (LeRobot's tolerance_s)."""
+
+
 def validate(root: str | Path, *, full: bool = True, tolerance_s: float = DEFAULT_TOLERANCE_S) -> Report:
     """Check every file of the dataset at ``root``; the report lists every problem found (see the module doc)."""
     return _Checker(Path(root), tolerance_s, full).run()

@@ -38,8 +38,9 @@ by the time a loader starts, the trainer runs threads (pyarrow's pool, decoder t
 client), and a fork copies whatever lock one of them holds, so a worker can deadlock on its first read (most
 likely what hung a loader test in our CI, after an in-process Ray session). Python 3.14 made the same choice.
 The cost: ``transform``, ``collate`` and the sources travel pickled, so they must be picklable (module-level
-functions or objects); pass ``multiprocessing_context="fork"`` for closures. A worker that returns nothing for ``worker_timeout_s`` is
-reported like a crashed one, never waited on forever.
+functions or objects); pass ``multiprocessing_context="fork"`` for closures. As under spawn, the workers import
+the main module, so a script that builds loaders at module level needs an ``if __name__ == "__main__":`` guard.
+A worker that returns nothing for ``worker_timeout_s`` is reported like a crashed one, never waited on forever.
 """
 
 from __future__ import annotations
@@ -794,6 +795,9 @@ class StreamingLoader:
                 if watchdog is not None and watchdog.fired:
                     why = f"no batch for {self.worker_timeout_s:g} s (worker_timeout_s): the workers timed out and " \
                           f"were stopped ({why})"
+                elif "exited unexpectedly" in why and self.multiprocessing_context != "fork":
+                    why += " (its error, if any, is on stderr above; workers import your main module, so a script " \
+                           "that builds loaders at module level needs `if __name__ == \"__main__\":`)"
                 self.close()
                 raise LoaderError(f"data loader failed{where}: {why}") from e
             finally:

@@ -13,9 +13,10 @@ sample (main process + workers, after a warm-up), and the ratios against (a), al
   (c) ``build_loader`` on a lake compiled from it (``roboscale lake build``), if ``roboscale.data.lake`` exists.
 
     .venv/bin/python benchmarks/loader.py                  # generates the dataset once (~1-2 min), then ~2 min
+    .venv/bin/python benchmarks/loader.py --image-size 480 # cameras at 480² in the raw files (the lake: 224²)
 
-The dataset (MetaWorld, 2 tasks x 10 episodes, 2 cameras at 224²) and the lake are cached under
-outputs/bench/ (gitignored). Each configuration runs in a fresh process so caches and workers do not carry over.
+The dataset (MetaWorld, 2 tasks x 10 episodes, 2 cameras at 224² or ``--image-size``) and its lake are cached
+under outputs/bench/ (gitignored). Each configuration runs in a fresh process so caches and workers do not carry over.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from pathlib import Path
 import numpy as np
 
 CACHE = Path("outputs/bench")
-DATASET = CACHE / "metaworld-224"
-LAKE = CACHE / "metaworld-224-lake"
+LAKE_SIZE = 224  # the policy's resolution: lakes store frames resized to it
 CAMERAS = ["observation.images.corner2", "observation.images.wrist"]
 STATE, ACTION = "observation.state", "action"
 CHUNK = 50
@@ -125,11 +125,11 @@ class LeRobotPattern:
         return item
 
 
-def _lerobot_batches():
+def _lerobot_batches(dataset_root: Path):
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    dataset = LeRobotPattern(DATASET)
+    dataset = LeRobotPattern(dataset_root)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, generator=torch.Generator()
                                                                          .manual_seed(0)),
                         num_workers=WORKERS, prefetch_factor=4, persistent_workers=True, drop_last=True)
@@ -137,10 +137,14 @@ def _lerobot_batches():
     return it, (lambda: [w.pid for w in it._workers]), (lambda: None)
 
 
-def _our_batches(source: Path):
+def _paths(size: int) -> tuple[Path, Path]:
+    """(raw dataset at ``size``², its lake at LAKE_SIZE²), cached under outputs/bench/."""
+    return CACHE / f"metaworld-{size}", CACHE / f"metaworld-{size}-lake"
+
+
+def _our_batches(source: Path, fps: float):
     from roboscale.data.loader import build_loader
 
-    fps = json.loads((DATASET / "meta/info.json").read_text())["fps"]
     loader = build_loader(source, batch_size=BATCH, num_workers=WORKERS, keys=[*CAMERAS, STATE, ACTION],
                           delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]}, seed=0)
     next(loader)  # start the workers
@@ -155,11 +159,13 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(which: str, warmup: int, batches: int) -> dict:
+def measure(which: str, warmup: int, batches: int, size: int) -> dict:
+    dataset, lake = _paths(size)
     if which == "a":
-        it, pids, close = _lerobot_batches()
+        it, pids, close = _lerobot_batches(dataset)
     else:
-        it, pids, close = _our_batches(DATASET if which == "b" else LAKE)
+        fps = json.loads((dataset / "meta/info.json").read_text())["fps"]
+        it, pids, close = _our_batches(dataset if which == "b" else lake, fps)
     for _ in range(warmup):
         next(it)
     workers = pids()
@@ -171,7 +177,8 @@ def measure(which: str, warmup: int, batches: int) -> dict:
         n += len(batch["task"])
     wall = time.perf_counter() - t0
     cpu = time.process_time() + sum(_cpu_of(p) for p in workers) - cpu0
-    assert batch[ACTION].shape[1:] == (CHUNK, batch[ACTION].shape[-1]) and batch[CAMERAS[0]].shape[-1] == 224
+    side = LAKE_SIZE if which == "c" else size
+    assert batch[ACTION].shape[1:] == (CHUNK, batch[ACTION].shape[-1]) and batch[CAMERAS[0]].shape[-1] == side
     close()
     return {"samples": n, "wall_s": wall, "cpu_s": cpu}
 
@@ -179,23 +186,25 @@ def measure(which: str, warmup: int, batches: int) -> dict:
 # --------------------------------------------------------------------------------------------------- driver
 
 
-def ensure_dataset() -> None:
-    if (DATASET / "meta/info.json").is_file():
+def ensure_dataset(size: int) -> None:
+    dataset, _ = _paths(size)
+    if (dataset / "meta/info.json").is_file():
         return
-    tmp = DATASET.with_name(DATASET.name + ".tmp")
+    tmp = dataset.with_name(dataset.name + ".tmp")
     subprocess.run([sys.executable, "-m", "roboscale", "data", "generate", '--tasks=["drawer-open","button-press"]',
-                    "--episodes_per_task=10", "--image_size=224", f"--out={tmp}"], check=True)
-    tmp.rename(DATASET)
+                    "--episodes_per_task=10", f"--image_size={size}", f"--out={tmp}"], check=True)
+    tmp.rename(dataset)
 
 
-def ensure_lake() -> bool:
+def ensure_lake(size: int) -> bool:
     try:
         import roboscale.data.lake  # noqa: F401
     except ImportError:
         return False
-    if not (LAKE / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "roboscale", "lake", "build", str(DATASET), "--output", str(LAKE),
-                        "--image-size", "224"], check=True)
+    dataset, lake = _paths(size)
+    if not (lake / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "roboscale", "lake", "build", str(dataset), "--output", str(lake),
+                        "--image-size", str(LAKE_SIZE)], check=True)
     return True
 
 
@@ -204,25 +213,29 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40, help="measured batches for (b) and (c)")
     parser.add_argument("--baseline-batches", type=int, default=12, help="measured batches for (a)")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--image-size", type=int, default=224,
+                        help="camera side of the raw dataset (the lake always holds 224²: the policy's resolution)")
     parser.add_argument("--one", choices=["a", "b", "c"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         batches = args.baseline_batches if args.one == "a" else args.batches
-        print(json.dumps(measure(args.one, args.warmup, batches)))
+        print(json.dumps(measure(args.one, args.warmup, batches, args.image_size)))
         return
 
-    ensure_dataset()
-    have_lake = ensure_lake()
+    ensure_dataset(args.image_size)
+    have_lake = ensure_lake(args.image_size)
     results = {}
     for which in ["a", "b"] + (["c"] if have_lake else []):
         out = subprocess.run([sys.executable, __file__, "--one", which, "--batches", str(args.batches),
-                              "--baseline-batches", str(args.baseline_batches), "--warmup", str(args.warmup)],
+                              "--baseline-batches", str(args.baseline_batches), "--warmup", str(args.warmup),
+                              "--image-size", str(args.image_size)],
                              check=True, capture_output=True, text=True)
         results[which] = json.loads(out.stdout.strip().splitlines()[-1])
     names = {"a": "(a) LeRobot access pattern, raw v3", "b": "(b) roboscale loader, raw v3",
              "c": "(c) roboscale loader, lake shards"}
     base = results["a"]["samples"] / results["a"]["wall_s"]
-    print(f"{os.cpu_count()} cores; batch {BATCH}, {WORKERS} workers; 2 cameras 224² AV1 + state + "
+    print(f"{os.cpu_count()} cores; batch {BATCH}, {WORKERS} workers; 2 cameras {args.image_size}² AV1 (lake: "
+          f"{LAKE_SIZE}²) + state + "
           f"{CHUNK}-step action chunk")
     print("| loader | samples/s | CPU-s / sample | samples/s per CPU-s | vs (a) |")
     print("|---|---:|---:|---:|---:|")

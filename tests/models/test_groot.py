@@ -204,6 +204,13 @@ def test_checkpoint_whose_shapes_do_not_match_the_config_names_the_fields_to_res
     assert "llm_layers" not in str(info.value)  # only fields of the mismatched parts
 
 
+def test_a_config_size_the_dataset_does_not_have_is_named_with_the_fix():
+    with pytest.raises(ConfigError, match=r"policy.action_dim is 32 but 'action' of the dataset at <memory> has 4 "
+                                          r"values; set --policy.action_dim=4"):
+        build_policy(GrootConfig(**{**GROOT_PRESETS["tiny"], "action_dim": 32}), fake_meta())
+    assert build_policy(GrootConfig(**{**GROOT_PRESETS["tiny"], "state_dim": 4}), fake_meta()).config.state_dim == 4
+
+
 def test_config_errors_say_what_to_change():
     with pytest.raises(ConfigError, match="chunk_size 32 exceeds policy.max_seq_len 16"):
         GrootConfig(chunk_size=32)

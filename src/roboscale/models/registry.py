@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.models.groot import GrootConfig, GrootPolicy
 from roboscale.models.pi05 import Pi05Config, Pi05Policy
@@ -47,8 +49,13 @@ def _fill_from_dataset(cfg: PolicyConfig, meta) -> None:
     missing = [k for k in cfg.image_keys if k not in features]
     if missing:
         raise ConfigError(f"cameras {missing} are not in the dataset at {meta.root} (cameras: {meta.camera_keys})")
-    cfg.state_dim = cfg.state_dim or int(features[cfg.state_key]["shape"][0])
-    cfg.action_dim = cfg.action_dim or int(features[cfg.action_key]["shape"][0])
+    for name, key in (("state_dim", cfg.state_key), ("action_dim", cfg.action_key)):
+        size = int(np.prod(features[key]["shape"]))
+        if getattr(cfg, name) and getattr(cfg, name) != size:
+            # a full-size preset's padded sizes (32 / 64): zero-padding a dataset to them is not implemented
+            raise ConfigError(f"policy.{name} is {getattr(cfg, name)} but {key!r} of the dataset at {meta.root} has "
+                              f"{size} values; set --policy.{name}={size} (or 0 to take it from the dataset)")
+        setattr(cfg, name, getattr(cfg, name) or size)
     cfg.fps = cfg.fps or float(meta.fps)
 
 

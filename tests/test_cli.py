@@ -49,7 +49,7 @@ def test_bad_input_is_one_line_without_a_traceback(tmp_path):
     assert proc.returncode == 1
     assert "no policy checkpoint here" in proc.stderr and "Traceback" not in proc.stderr
     proc = roboscale("train", "--stepz=3", check=False)
-    assert proc.returncode == 1 and "unknown option(s) ['stepz']" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "unknown option(s) ['stepz']" in proc.stderr and "Traceback" not in proc.stderr
     proc = roboscale("data", "info", str(tmp_path), check=False)
     assert proc.returncode == 1 and "info.json" in proc.stderr and "Traceback" not in proc.stderr
 

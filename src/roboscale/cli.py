@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from roboscale.errors import RoboscaleError
+from roboscale.errors import ConfigError, RoboscaleError, one_line
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def _info(argv: list[str]) -> None:
     from roboscale.data.validate import summarize
 
     if len(argv) != 1 or argv[0].startswith("-"):
-        raise SystemExit("usage: roboscale data info DATASET_DIR")
+        raise ConfigError("usage: roboscale data info DATASET_DIR")
     print("\n".join(summarize(argv[0]).lines()))  # metadata and file sizes only: instant on any dataset size
 
 
@@ -48,7 +48,7 @@ def _validate(argv: list[str]) -> None:
 
     cfg = parse(ValidateConfig, argv, prog="roboscale data validate", positional=("root",))
     if not cfg.root:
-        raise SystemExit("usage: roboscale data validate ROOT [--quick] [--tolerance-s S]")
+        raise ConfigError("usage: roboscale data validate ROOT [--quick] [--tolerance-s S]")
     report = validate(cfg.root, full=not cfg.quick, tolerance_s=cfg.tolerance_s)
     if len(report.problems) == 1 and report.episodes == 0:  # e.g. no meta/info.json: nothing else was checked
         only = report.problems[0]
@@ -70,7 +70,7 @@ def _convert(argv: list[str]) -> None:
 
     cfg = parse(ConvertConfig, argv, prog="roboscale data convert", positional=("src", "dst"))
     if not cfg.src or not cfg.dst:
-        raise SystemExit("usage: roboscale data convert SRC DST [--reencode] [--video-codec C] (see --help)")
+        raise ConfigError("usage: roboscale data convert SRC DST [--reencode] [--video-codec C] (see --help)")
     options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("src", "dst")}
     dst = convert_v21_to_v30(cfg.src, cfg.dst, progress=sys.stderr.isatty(), **options)
     print(f"converted to {dst}")
@@ -89,19 +89,17 @@ def _lake_verify(argv: list[str]) -> None:
     from roboscale.data.lake_source import LakeSource
 
     if len(argv) != 1 or argv[0].startswith("-"):
-        raise SystemExit("usage: roboscale lake verify LAKE_DIR")
+        raise ConfigError("usage: roboscale lake verify LAKE_DIR")
     src = LakeSource(argv[0], verify=True)
     print(f"{argv[0]}: ok ({len(src.episode_ids)} episodes, {len(src)} frames, every shard checksum matches)")
 
 
 def _train(argv: list[str]) -> None:
-    from roboscale.config import parse
-    from roboscale.train.trainer import TrainConfig, train
+    from roboscale.train.trainer import parse_train_args, train
 
     # `--skip-bad-episodes`: the spelling users know from dataset tools, for --dataset.skip_bad_episodes=true
     argv = ["--dataset.skip_bad_episodes=true" if a == "--skip-bad-episodes" else a for a in argv]
-    cfg = parse(TrainConfig, argv, prog="roboscale train")
-    print(f"final checkpoint: {train(cfg)}")
+    print(f"final checkpoint: {train(parse_train_args(argv))}")
 
 
 def _eval(argv: list[str]) -> None:
@@ -184,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             entry.run(argv)
-        except RoboscaleError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+        except RoboscaleError as exc:  # the one path every error a user can cause takes: one line, no traceback
+            print(f"error: {one_line(exc)}", file=sys.stderr)
+            return exc.exit_code
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130

@@ -156,6 +156,8 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}".lstrip(".")) for k, v in data.items()}
     try:
         return cls(**kwargs)
+    except ConfigError:  # a config's own check (__post_init__) names the option already
+        raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from None
 

@@ -3,11 +3,19 @@ corruption detection. One local Ray session and one two-source lake are shared b
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
+import os
 import pickle
+import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +31,7 @@ from .conftest import SMALL_FEATURES, SMALL_FPS, SMALL_LENGTHS, assert_square, s
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Data's own deprecated options
 
-from roboscale.data.lake import LakeConfig, build_lake, fit_frames  # noqa: E402
+from roboscale.data.lake import LakeConfig, _ensure_ray, build_lake, fit_frames  # noqa: E402
 from roboscale.data.lake_source import LakeSource  # noqa: E402
 
 SECOND_EPISODES = (4, 2, 3)  # small_episode() numbers, written in this order
@@ -47,13 +55,12 @@ def write_second_source(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray for the module (build_lake joins a running Ray instead of starting its own)."""
-    if ray.is_initialized():  # another module's session: share it, leave it running
-        yield
-        return
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """One local Ray for the module, the lake's own (loopback only); build_lake joins a running Ray instead of
+    starting its own. Another module's running session is shared and left running."""
+    owned = _ensure_ray(LakeConfig(num_cpus=2))
     yield
-    ray.shutdown()
+    if owned:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -169,45 +176,186 @@ def test_lerobot_written_fixture_round_trips(ray_session, fixture_root: Path, tm
     assert_square(frames[0], 4, 1, "lake corner camera")
 
 
-def _free_port() -> int:
-    import socket
+def _free_ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:  # all bound at once: n different ports
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def _free_port() -> int:
+    return _free_ports(1)[0]
+
+
+# ------------------------------------------------------------------------------------ processes and sockets
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid``: one started with start_new_session=True, and all it started."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        state, _ppid, _pgrp, session = stat.rpartition(")")[2].split()[:4]  # after "pid (comm)"
+        if int(session) == sid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _socket_inodes(pids: list[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):  # exited meanwhile
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _proc_net_ip(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp{,6} write an address as 32-bit words in host byte order."""
+    words = [bytes.fromhex(hex_ip[i:i + 8]) for i in range(0, len(hex_ip), 8)]
+    return ipaddress.ip_address(b"".join(w[::-1] if sys.byteorder == "little" else w for w in words))
+
+
+def _session_listening(sid: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(address, port) of the TCP sockets that the processes of session ``sid`` listen on. Owned by that session,
+    so not confused with what other programs on this machine open meanwhile."""
+    inodes = _socket_inodes(_session_pids(sid))
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):  # no IPv6
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    host, port = cols[1].split(":")
+                    found.append((_proc_net_ip(host), int(port, 16)))
+    return found
+
+
+def _beyond_loopback(sockets: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]) -> list[str]:
+    """Those reachable from another machine: not 127.0.0.0/8, ::1 or ::ffff:127.x (0.0.0.0 and :: are not)."""
+    return [f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}" for ip, port in sockets
+            if not (ip.is_loopback or getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)]
+
+
+def _start_in_session(cmd: list[str], env: dict[str, str], log: Path, **popen) -> subprocess.Popen:
+    """``cmd`` in a session of its own, so that it and every process it starts are stopped together
+    (``_stop_session``). Its output goes to a file: a pipe that nobody reads fills up and blocks the writer (a
+    `ray start --block` blocked so never stopped)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+
+
+def _tail(log: Path, lines: int = 8) -> str:
+    return "".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+
+def _wait_for_output(proc: subprocess.Popen, log: Path, marker: str, timeout_s: float) -> bool:
+    """True once ``marker`` is in the output of ``proc``, False when ``proc`` exits without it."""
+    deadline = time.monotonic() + timeout_s
+    while marker not in log.read_text(errors="replace"):
+        if proc.poll() is not None:
+            return marker in log.read_text(errors="replace")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{proc.args[0]}: no {marker!r} within {timeout_s:.0f} s; it said: {_tail(log)}")
+        time.sleep(0.2)
+    return True
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    """Stop ``proc`` and every process of its session: SIGINT (what `ray start --block` handles by stopping its
+    Ray), then SIGTERM, then SIGKILL, each after a bounded wait. Fails if a process survives them all."""
+    for sig, wait_s in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while True:
+            proc.poll()  # reap it once it exits (its session's members are counted without zombies)
+            if not _session_pids(proc.pid):
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    raise AssertionError(f"{proc.args[0]}: processes {_session_pids(proc.pid)} survived SIGKILL")
+
+
+# ------------------------------------------------------------------------------------------------- ray
+
+
+_LOCAL_RAY = """
+import sys
+import ray  # first, as in a user's program (or this test module): Ray has read its settings by the time it starts
+
+from roboscale.data.lake import LakeConfig, _ensure_ray
+
+assert _ensure_ray(LakeConfig(num_cpus=1))
+ray.get(ray.remote(lambda: 0).remote())  # a worker up, with its gRPC server
+print("ray is up", flush=True)
+sys.stdin.read()  # until the test has looked
+ray.shutdown()
+"""
+
+
+def test_a_build_s_own_local_ray_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Without --ray-address, build_lake starts a Ray of its own (_ensure_ray): its GCS, raylet, agents, driver and
+    workers must not be reachable from another machine. A fresh process: this module's Ray is running already."""
+    log = tmp_path / "driver.log"
+    driver = _start_in_session([sys.executable, "-c", _LOCAL_RAY], {**os.environ}, log, stdin=subprocess.PIPE)
+    try:
+        assert _wait_for_output(driver, log, "ray is up", timeout_s=120), f"the driver failed: {_tail(log)}"
+        sockets = _session_listening(driver.pid)
+        driver.stdin.close()
+        driver.wait(timeout=60)
+    finally:
+        _stop_session(driver)
+    assert len(sockets) >= 4, f"expected the GCS, raylet, agent and driver to listen, found {sockets}"
+    assert _beyond_loopback(sockets) == [], f"Ray listens beyond loopback: {_beyond_loopback(sockets)}"
+
+
+@contextlib.contextmanager
+def _ray_head(env: dict[str, str], log: Path) -> Iterator[tuple[int, int]]:
+    """A Ray head started apart, as a user would (`ray start --head --block`), on loopback only. Yields its GCS
+    port and its session id; stops it and all it started afterwards, also when the test fails."""
+    port, client_port = _free_ports(2)
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    # the Ray Client server's port is fixed (10001) by default: another Ray on this machine would make it fail
+    head = _start_in_session([ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                              f"--ray-client-server-port={client_port}", "--num-cpus=1", "--include-dashboard=false",
+                              "--disable-usage-stats"], env, log)
+    try:
+        if not _wait_for_output(head, log, "Ray runtime started", timeout_s=120):
+            # a precondition, like CUDA for the GPU tests: this machine cannot run a Ray head
+            pytest.skip(f"ray start --head exited with {head.returncode}: {_tail(log)}")
+        yield port, head.pid
+    finally:
+        _stop_session(head)
 
 
 @pytest.mark.slow
 def test_build_runs_on_an_existing_ray_cluster(fixture_root: Path, tmp_path: Path) -> None:
     """`--ray-address`: a head started apart (`ray start --head`, token auth on, bound to localhost) runs the
     build; the CLI runs in its own process, as a user's shell would (this process may hold a local Ray)."""
-    import os
-    import secrets
-    import signal
-
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    port = _free_port()
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                             "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        said = []
-        for line in head.stdout:  # ready once it says so (it then blocks until terminated)
-            said.append(line)
-            if "Ray runtime started" in line:
-                break
-        else:  # a precondition, like CUDA for the GPU tests: this machine cannot run a Ray head
-            pytest.skip(f"ray start --head exited with {head.wait()}: {''.join(said[-5:])}")
-        out = tmp_path / "lake"
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (single-node Ray) keeps --node-ip-address=127.0.0.1: Ray otherwise
+    # replaces it by the outward IP and listens on every interface. The CLI needs it too: Ray would rewrite
+    # --ray-address 127.0.0.1:PORT to the outward IP the same way, where this head does not listen.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    out = tmp_path / "lake"
+    with _ray_head(env, tmp_path / "head.log") as (port, head_session):
+        assert _beyond_loopback(_session_listening(head_session)) == [], "the test's Ray head listens beyond loopback"
         build = [sys.executable, "-m", "roboscale.cli", "lake", "build", str(fixture_root), "--output", str(out),
                  "--image-size", "0", "--ray-address", f"127.0.0.1:{port}"]
         done = subprocess.run(build, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "Connecting to existing Ray cluster" in done.stderr and "1 built" in done.stdout
-    finally:
-        head.send_signal(signal.SIGINT)  # --block: Ctrl-C shuts its cluster down (only its own) within a second
-        head.wait(timeout=60)
     cameras = ["observation.images.corner", "observation.images.gripper"]
     numeric = ["observation.state", "action", "frame_index", "timestamp"]
     assert _assert_lake_equals_raw(LakeSource(out, verify=True), {str(fixture_root): fixture_root}, cameras,

@@ -306,6 +306,36 @@ def test_a_corrupt_video_is_skipped_with_skip_bad_episodes(small_copy):
     assert loader.stats()["skipped_episodes"] == len(shared)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skipping_an_episode_leaves_every_other_episodes_frames_exactly_once(small_copy, workers):
+    """One epoch of single-sample batches, per episode: every frame of every readable episode once, nothing of the
+    skipped one. (Skipped episodes used to shift the sample ids of every later episode: the skipped episode was
+    still sampled and the last episode lost its tail.)"""
+    from collections import Counter
+
+    from tests.faults.damages import shift_timestamps
+
+    def frames_per_episode(**kw) -> dict[int, list[int]]:
+        loader = build_loader(small_copy, batch_size=1, num_workers=workers, keys=["action"], seed=3,
+                              block_samples=8, chunk_frames=2, **kw)
+        try:
+            counts = Counter(_ids(b)[0] for b in loader.take(loader.batches_per_epoch))
+        finally:
+            loader.close()
+        assert set(counts.values()) == {1}  # no frame twice
+        out: dict[int, list[int]] = {}
+        for ep, frame in sorted(counts):
+            out.setdefault(ep, []).append(frame)
+        return out
+
+    everything = {ep: list(range(n)) for ep, n in enumerate(SMALL_LENGTHS)}
+    assert frames_per_episode() == everything
+    shift_timestamps(small_copy)  # episode 1
+    with pytest.raises(DatasetError, match=r"1 of 5 episodes cannot be read .*episode 1: field 'timestamp'"):
+        build_loader(small_copy, batch_size=1, num_workers=workers)
+    assert frames_per_episode(skip_bad_episodes=True) == {ep: f for ep, f in everything.items() if ep != 1}
+
+
 def _boom_at_episode_1_frame_5(sample):
     if int(sample["episode_index"]) == 1 and int(sample["frame_index"]) == 5:
         raise RuntimeError("boom")
@@ -333,6 +363,28 @@ def test_a_crashed_worker_is_reported_with_its_batch(small_root):
                           shuffle=False)
     with pytest.raises(LoaderError, match=r"batch 0 of epoch 0 \(first sample: .*episode 0, frame 0\)"):
         next(loader)
+
+
+def test_a_stopped_worker_is_killed_and_reported_not_waited_on(small_root):
+    """SIGSTOP (a debugger, a frozen network mount) makes a worker ignore SIGTERM: the watchdog escalates."""
+    import signal
+    import time
+
+    loader = build_loader(small_root, batch_size=2, num_workers=1, keys=["action"], worker_timeout_s=2,
+                          prefetch_factor=1)
+    try:
+        next(loader)
+        (worker,) = loader._iter._workers
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(LoaderError, match=r"no batch for 2 s \(worker_timeout_s\)"):
+            for _ in range(10 * loader.batches_per_epoch):
+                next(loader)
+        assert time.monotonic() - started < 30
+        worker.join(5)
+        assert not worker.is_alive()
+    finally:
+        loader.close()
 
 
 # held by a thread of the main process while workers start (as pyarrow's, a decoder's or gRPC's locks can be)
@@ -399,5 +451,5 @@ def test_sources_are_recognized_by_their_layout(small_root, tmp_path):
             open_source(lake)
     with pytest.raises(DatasetError, match="not a dataset"):
         open_source(tmp_path)
-    with pytest.raises(ValueError, match="no feature 'observation.nope'"):
+    with pytest.raises(DatasetError, match="field 'observation.nope': no such feature"):
         build_loader(small_root, batch_size=2, keys=["observation.nope"])

@@ -1,4 +1,6 @@
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +148,115 @@ def test_cli_skip_bad_episodes_flag_sets_the_dataset_option(monkeypatch, tmp_pat
     monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg) or tmp_path)
     main(["train", "--skip-bad-episodes", "--dataset.num_workers=3"])
     assert seen[0].dataset.skip_bad_episodes is True and seen[0].dataset.num_workers == 3
+
+
+@pytest.mark.parametrize("policy_type", ["pi05", "groot"])
+def test_both_policies_train_on_cameras_of_different_sizes(tmp_path, policy_type):
+    """LeRobot's own fixture has a 64x64 scene camera and a 48x64 wrist camera: each is fitted to the policy's
+    square input (aspect kept by padding) before the cameras are stacked."""
+    from roboscale.data import LeRobotDataset
+    from roboscale.data.lerobot_format import image_hwc, read_info
+    from roboscale.models.registry import preset_config
+
+    fixture_root = Path(__file__).parent.parent / "fixtures" / "lerobot-v3.0-mini"
+
+    sizes = {image_hwc(f)[:2] for k, f in read_info(fixture_root).features.items() if k.startswith("observation.im")}
+    assert len(sizes) == 2  # the point of this test
+    cfg = tiny_train_config(fixture_root, tmp_path / "run", steps=2)
+    cfg.batch_size = 8
+    if policy_type == "groot":
+        cfg.policy = preset_config("groot", "tiny")
+    final = train(cfg, progress=False)
+    policy = Policy.from_pretrained(final)
+    assert len(policy.config.image_keys) == 2
+    batch = next(iter(torch.utils.data.DataLoader(LeRobotDataset(root=fixture_root), batch_size=2)))
+    chunk = policy.eval().predict_action_chunk(batch)
+    assert chunk.shape[0] == 2 and torch.isfinite(chunk).all()
+
+
+def test_resume_refuses_options_that_contradict_the_checkpoint_and_honours_the_rest(tiny_dataset, tmp_path):
+    from roboscale.train.trainer import parse_train_args
+
+    out = tmp_path / "run"
+    train(tiny_train_config(tiny_dataset, out, steps=2), progress=False)
+    resume = [f"--output_dir={out}", "--resume=true"]
+    # options not given are the checkpoint's, so a bare resume changes nothing
+    cfg = parse_train_args(resume)
+    assert cfg.batch_size == 16 and cfg.policy.width == 48 and cfg.dataset.root == str(tiny_dataset)
+    with pytest.raises(ConfigError, match=r"2 options differ .*--batch_size=8 \(checkpoint: 16\); "
+                                          r"--policy.width=128 \(checkpoint: 48\)"):
+        train(parse_train_args([*resume, "--policy.width=128", "--batch_size=8"]), progress=False)
+    final = train(parse_train_args([*resume, "--steps=4", "--log_freq=1", "--save_freq=1"]), progress=False)
+    assert final.parent.name == "000004"
+    # a Python caller's config leaves dataset-derived policy fields at 0 / empty: those are not changes
+    train(tiny_train_config(tiny_dataset, out, steps=5, resume=True), progress=False)
+
+
+def test_old_checkpoints_are_pruned_but_last_is_kept(tiny_dataset, tmp_path):
+    from roboscale.train.checkpoint import prune_checkpoints, step_directories
+
+    out = tmp_path / "run"
+    cfg = tiny_train_config(tiny_dataset, out, steps=6, save_freq=1)
+    cfg.checkpoint.keep_last = 2
+    train(cfg, progress=False)
+    checkpoints = out / "checkpoints"
+    assert [p.name for p in step_directories(checkpoints)] == ["000005", "000006"]
+    (checkpoints / "last").unlink()
+    (checkpoints / "last").symlink_to("000005")  # e.g. a best checkpoint, or last after a rollback
+    (checkpoints / "best").symlink_to("000005")
+    resumed = tiny_train_config(tiny_dataset, out, steps=8, save_freq=1, resume=True)
+    resumed.checkpoint.keep_last = 2
+    train(resumed, progress=False)  # from step 5: writes 6, 7, 8
+    assert [p.name for p in step_directories(checkpoints)] == ["000005", "000007", "000008"]
+    assert prune_checkpoints(out, keep_last=1) == [checkpoints / "000007"]
+
+
+def test_what_a_killed_save_left_is_removed_by_the_next_run_and_a_live_one_is_not(tiny_dataset, tmp_path):
+    import subprocess
+    import sys
+
+    from roboscale.train.checkpoint import remove_stale_files
+    from roboscale.utils.io import make_temporary_directory
+
+    out = tmp_path / "run"
+    train(tiny_train_config(tiny_dataset, out, steps=2), progress=False)
+    checkpoints = out / "checkpoints"
+    # a save killed half-way: its hidden temporary, held by nobody
+    killed = subprocess.run([sys.executable, "-c", "import sys\nfrom roboscale.utils.io import "
+                             "make_temporary_directory\ntmp, _ = make_temporary_directory(sys.argv[1])\n"
+                             "(tmp / 'model.safetensors').write_bytes(b'x' * 1000)\nprint(tmp)",
+                             str(checkpoints / "000003")], capture_output=True, text=True, check=True)
+    abandoned = checkpoints / killed.stdout.strip().rsplit("/", 1)[-1]
+    assert abandoned.is_dir() and abandoned.name.startswith(".000003.")
+    live, lock = make_temporary_directory(checkpoints / "000004")  # a save in progress elsewhere
+    try:
+        assert remove_stale_files(out) == [abandoned]
+        assert live.is_dir() and not abandoned.exists()
+    finally:
+        import os
+
+        os.close(lock)
+    assert remove_stale_files(out) == [live]
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--steps=0", r"--steps must be a positive integer, got 0"),
+    ("--batch_size=0", r"--batch_size must be a positive integer, got 0"),
+    ("--checkpoint.keep_last=-1", r"checkpoint.keep_last must be >= 0"),
+])
+def test_nonsense_numbers_are_usage_errors(option, message, capsys):
+    from roboscale.cli import main
+
+    assert main(["train", option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and re.search(message, err)
+
+
+def test_an_output_dir_that_is_a_file_or_read_only_is_refused_before_training(tiny_dataset, tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"--output_dir .*file: exists and is not a directory"):
+        train(tiny_train_config(tiny_dataset, afile, steps=1), progress=False)
+    # /proc refuses new directories to every user, root included (a chmod would not stop root)
+    with pytest.raises(ConfigError, match=r"--output_dir /proc/roboscale/run: cannot write there"):
+        train(tiny_train_config(tiny_dataset, "/proc/roboscale/run", steps=1), progress=False)

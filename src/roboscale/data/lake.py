@@ -43,12 +43,13 @@ the resized image (not the padding) and exact. LeRobot's ``stats.json`` quantile
 quantiles, not quantiles of the dataset; the lake's are real quantiles.
 
 Elastic and restartable: shards are Ray Data tasks with fractional CPUs (``cpus_per_task``, 0.5 by default so a
-2-core machine runs four at a time and the driver is never starved) on a local ``ray.init()`` or an existing cluster
-(``ray_address``; the workers need roboscale installed and the output on a shared filesystem). A shard is built
-under a temporary name, fsynced and renamed; its ``shard.json`` carries a fingerprint of everything it depends
-on (source metadata hash, episodes, lake index offsets, task mapping, image settings). A rebuild skips every
-shard whose fingerprint matches, so a killed build resumes where it stopped, and appending a source reuses every
-shard of the sources before it. The manifest is removed when anything must be rebuilt and written last.
+2-core machine runs four at a time and the driver is never starved) on a local Ray that listens on 127.0.0.1 only
+(``_ensure_ray``) or an existing cluster (``ray_address``; the workers need roboscale installed and the output on a
+shared filesystem). A shard is built under a temporary name, fsynced and renamed; its ``shard.json`` carries a
+fingerprint of everything it depends on (source metadata hash, episodes, lake index offsets, task mapping, image
+settings). A rebuild skips every shard whose fingerprint matches, so a killed build resumes where it stopped, and
+appending a source reuses every shard of the sources before it. The manifest is removed when anything must be
+rebuilt and written last.
 
 Sources are local paths or URIs that ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://``, ``gs://``,
 ``hdfs://``, ``file://``). Remote sources are staged: ``meta/`` once on the driver, then each shard task copies
@@ -63,7 +64,6 @@ file, episode and field after the other shards have finished, and a rerun resume
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -72,7 +72,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +87,9 @@ from safetensors.numpy import save_file as save_safetensors
 
 from roboscale.data import lerobot_format as fmt
 from roboscale.data.stats import ByteHistogram, Histogram, Moments, finalize_numeric, merge_moments
-from roboscale.errors import ConfigError, DatasetError
-from roboscale.utils.io import atomic_write_bytes, atomic_write_json, fsync_dir
+from roboscale.errors import ConfigError, DatasetError, from_record, to_record
+from roboscale.utils.images import RESIZE_MODES, fitted_size, resize_with_pad
+from roboscale.utils.io import atomic_write_bytes, atomic_write_json, exclusive_lock, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,8 @@ class LakeConfig:
             raise ConfigError("lake build needs --output DIR")
         if self.image_size < 0:
             raise ConfigError(f"--image-size must be >= 0, got {self.image_size}")
-        if self.resize not in ("pad", "stretch"):
-            raise ConfigError(f"--resize must be 'pad' or 'stretch', got {self.resize!r}")
+        if self.resize not in RESIZE_MODES:
+            raise ConfigError(f"--resize must be one of {list(RESIZE_MODES)}, got {self.resize!r}")
         if self.shard_frames < 1:
             raise ConfigError(f"--shard-frames must be >= 1, got {self.shard_frames}")
         if not 0 < self.cpus_per_task:
@@ -305,18 +306,11 @@ def _referenced_files(meta: Any, episodes: Sequence[int]) -> list[str]:
 
 
 def _quick_validate(root: Path) -> None:
-    """roboscale.data.validate's quick check (metadata, parquet footers, one frame per episode and camera), when
-    that module is present; its first problem becomes a DatasetError."""
-    try:
-        from roboscale.data.validate import validate
-    except ImportError:
-        return
-    report = validate(root, full=False)
-    if not report.ok:
-        first = report.problems[0]
-        more = f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ""
-        raise DatasetError(first.path, f"{first.message}{more}; run `roboscale data validate {root}` for all",
-                           field=first.field, episode=first.episode)
+    """The gate every reader of training data passes (``roboscale.data.validate``): refuse a source with problems."""
+    from roboscale.data.validate import bad_episodes, readable_or_raise
+
+    bad = bad_episodes(root)
+    readable_or_raise(root, bad, len(fmt.read_episodes_table(root)), skip_bad_episodes=False)
 
 
 def _check_compatible(first: SourcePlan, other: SourcePlan, cameras: list[str], numeric: list[str],
@@ -449,42 +443,23 @@ def plan_shards(plans: Sequence[SourcePlan], cfg: LakeConfig, cameras: list[str]
 
 
 def fit_frames(frames: np.ndarray, size: int, mode: str = "pad") -> tuple[np.ndarray, tuple[slice, slice]]:
-    """uint8 [N, H, W, C] -> [N, size, size, C] and the (rows, cols) of the image content inside it.
+    """uint8 [N, H, W, C] -> [N, size, size, C] (``roboscale.utils.images.resize_with_pad``) and the (rows, cols)
+    of the image content inside it. ``size == 0`` returns the frames untouched."""
+    import torch
 
-    ``pad`` keeps the aspect ratio (the longer side becomes ``size``) and centres the image on black; ``stretch``
-    resizes to the square. Antialiased bilinear (torch); frames already at the target size are returned as they
-    are (bit-exact). ``size == 0`` returns the frames untouched."""
     n, h, w, c = frames.shape
     everything = (slice(None), slice(None))
-    if size == 0:
+    if size == 0 or (h, w) == (size, size):
         return frames, everything
-    if mode == "stretch":
-        nh, nw = size, size
-    else:
-        scale = min(size / h, size / w)
-        nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    resized = frames if (nh, nw) == (h, w) else _resize(frames, nh, nw)
-    if (nh, nw) == (size, size):
-        return resized, everything
-    top, left = (size - nh) // 2, (size - nw) // 2
-    out = np.zeros((n, size, size, c), dtype=np.uint8)
-    out[:, top : top + nh, left : left + nw] = resized
-    return out, (slice(top, top + nh), slice(left, left + nw))
-
-
-def _resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Antialiased bilinear resize of uint8 NHWC frames, in uint8: torch's uint8 kernel (the one torchvision's
-    Resize uses) works on channels-last data directly, ~25x faster than converting to float (measured 0.05 vs
-    1.5 ms per 128² -> 224² frame on one core) and within one level of it."""
-    import torch
-    import torch.nn.functional as F
-
-    out = np.empty((len(frames), height, width, frames.shape[3]), dtype=np.uint8)
-    for s in range(0, len(frames), _RESIZE_CHUNK):
+    out = np.empty((n, size, size, c), dtype=np.uint8)
+    for s in range(0, n, _RESIZE_CHUNK):
         chunk = torch.from_numpy(np.ascontiguousarray(frames[s : s + _RESIZE_CHUNK])).permute(0, 3, 1, 2)
-        small = F.interpolate(chunk, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
-        out[s : s + _RESIZE_CHUNK] = small.permute(0, 2, 3, 1).numpy()
-    return out
+        out[s : s + _RESIZE_CHUNK] = resize_with_pad(chunk, size, mode).permute(0, 2, 3, 1).numpy()
+    nh, nw = fitted_size(h, w, size, mode)
+    if (nh, nw) == (size, size):
+        return out, everything
+    top, left = (size - nh) // 2, (size - nw) // 2
+    return out, (slice(top, top + nh), slice(left, left + nw))
 
 
 # --------------------------------------------------------------------------------------------------- shard build
@@ -653,9 +628,42 @@ def _ensure_ray(cfg: LakeConfig) -> bool:
                 "RAY_AUTH_TOKEN or ~/.ray/auth_token") from None
     else:
         # "local": a Ray of our own, even where `ray start` left a cluster address behind (ray.init() would
-        # join that cluster, and refuse num_cpus)
-        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True)
+        # join that cluster, and refuse num_cpus); reachable from this machine only
+        with _single_node_ray():
+            ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=cfg.num_cpus, include_dashboard=False,
+                     log_to_driver=True)
     return True
+
+
+_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _single_node_ray() -> Iterator[None]:
+    """Around ``ray.init(address="local", _node_ip_address="127.0.0.1")``: make the node IP stay 127.0.0.1.
+
+    Why: Ray binds its GCS, raylet (node and object manager), runtime-env agent and the gRPC server of the driver
+    and of every worker to loopback only when the node IP is loopback, and to every interface otherwise. On Linux
+    ``ray.init`` replaces a loopback ``_node_ip_address`` by the host's outward IP unless multi-node Ray is off:
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the single-machine mode Ray runs in on macOS and Windows. Ray reads
+    that variable once, into ``ray_constants.ENABLE_RAY_CLUSTER``, when it is first imported (before this call),
+    so both are set here and both restored afterwards: a later ``ray.init`` of the user's is unaffected. The
+    processes ray.init starts (raylet, agents, and the workers they start) inherit the variable; they get their
+    node IP from the raylet anyway.
+    """
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(_SINGLE_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_SINGLE_NODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_SINGLE_NODE_ENV, None)
+        else:
+            os.environ[_SINGLE_NODE_ENV] = saved_env
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -685,21 +693,13 @@ def _ray_map(items: list[dict[str, Any]], fn: Callable[[dict[str, Any]], dict[st
     return sorted(rows, key=lambda r: r["shard"])
 
 
-def _error_record(err: DatasetError) -> str:
-    """A task's DatasetError as JSON: Ray would wrap the exception into a traceback string (losing its type)."""
-    where = [str(err.path)] + ([f"episode {err.episode}"] if err.episode is not None else []) + (
-        [f"field {err.field!r}"] if err.field is not None else [])
-    message = str(err).removeprefix(": ".join(where) + ": ")
-    return json.dumps({"path": str(err.path), "message": message, "field": err.field, "episode": err.episode})
-
-
 def _raise_task_errors(rows: Sequence[Mapping[str, Any]]) -> None:
+    """Shard tasks return their DatasetError as a record: Ray would wrap the exception into a traceback string."""
     errors = [json.loads(r["error"]) for r in rows if r["error"]]
     if errors:
-        first = errors[0]
         more = f" ({len(errors) - 1} more shards failed; finished shards are kept, rerun to resume)" if len(
             errors) > 1 else " (finished shards are kept: rerun to resume)"
-        raise DatasetError(first["path"], first["message"] + more, field=first["field"], episode=first["episode"])
+        raise from_record({**errors[0], "message": errors[0]["message"] + more})
 
 
 class _BuildShardTask:
@@ -711,7 +711,7 @@ class _BuildShardTask:
         try:
             meta = build_shard(self.specs[int(row["shard"])], self.ctx)
         except DatasetError as err:
-            return {"shard": int(row["shard"]), "meta": "", "error": _error_record(err)}
+            return {"shard": int(row["shard"]), "meta": "", "error": json.dumps(to_record(err))}
         return {"shard": int(row["shard"]), "meta": json.dumps(meta), "error": ""}
 
 
@@ -879,28 +879,12 @@ def _manifest(cfg: LakeConfig, plans: Sequence[SourcePlan], specs: Sequence[Shar
     }
 
 
-@contextlib.contextmanager
-def build_lock(out: Path):
+def build_lock(out: Path) -> contextlib.AbstractContextManager[None]:
     """One build per lake directory: a second build (another shell, a retried job) would interleave shard
-    writes and manifests. An OS lock (flock) on ``out/.build.lock``: the kernel releases it when the holder
-    exits, even by ``kill -9``, so a crashed build never leaves a stale lock behind."""
-    path = out / LOCK_NAME
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise DatasetError(path, f"another lake build ({holder}) is writing {out}; wait for it to finish or "
-                                     "build into another --output") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        handle.flush()
-        try:
-            yield
-        finally:
-            handle.truncate(0)
+    writes and manifests."""
+    return exclusive_lock(out / LOCK_NAME, lambda holder: DatasetError(
+        out / LOCK_NAME, f"another lake build ({holder}) is writing {out}; wait for it to finish or build into "
+                         "another --output"))
 
 
 def build_lake(cfg: LakeConfig, *, filesystems: Sequence[pafs.FileSystem | None] | None = None) -> BuildReport:

@@ -50,6 +50,7 @@ import dataclasses
 import logging
 import multiprocessing
 import pickle
+import queue
 import threading
 import time
 import traceback
@@ -64,7 +65,7 @@ import torch
 
 from roboscale.data import lerobot_format as fmt
 from roboscale.data.source import FrameSource, open_source
-from roboscale.errors import DatasetError, RoboscaleError
+from roboscale.errors import ConfigError, DatasetError, RoboscaleError, from_record, to_record
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +138,12 @@ def _parse_source(source: Any) -> list[tuple[Any, float | None]]:
     for entry in source:
         if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], (int, float)):
             if entry[1] < 0:
-                raise ValueError(f"mixture weight of {entry[0]} is negative: {entry[1]}")
+                raise ConfigError(f"mixture weight of {entry[0]} is negative: {entry[1]}")
             items.append((entry[0], float(entry[1])))
         else:
             items.append((entry, None))
     if not items:
-        raise ValueError("build_loader: empty list of sources")
+        raise ConfigError("build_loader: empty list of sources")
     return items
 
 
@@ -169,6 +170,8 @@ class _Plan:
     """What every rank agrees on; ``epoch(e)`` gives this rank's blocks of sample ids."""
 
     lengths: np.ndarray  # frames per global episode (0 for excluded episodes)
+    starts: np.ndarray  # first sample id of each global episode (of every episode: ids never shift when one is
+    # excluded, since workers locate samples in the full id space)
     source_of: np.ndarray
     quotas: np.ndarray  # samples per source per epoch
     batch_size: int
@@ -191,7 +194,7 @@ class _Plan:
     def _stream(self, rng: np.random.Generator, source: int, quota: int) -> tuple[np.ndarray, np.ndarray]:
         """``quota`` sample ids of one source and their chunk keys, chunk-shuffled (repeating passes if needed)."""
         eps = np.flatnonzero((self.source_of == source) & (self.lengths > 0))
-        starts = np.concatenate([[0], np.cumsum(self.lengths)])[:-1]
+        starts = self.starts
         ids, keys, have, base = [], [], 0, 0
         while have < quota:
             lengths = self.lengths[eps]
@@ -435,15 +438,13 @@ class _BatchDataset(torch.utils.data.Dataset):
         # message (and cannot rebuild a DatasetError); the main process raises them as they were.
         try:
             return self._get(task)
-        except DatasetError as e:
-            failure = _Failure(str(e), str(e.path), e.field, e.episode)
-        except LoaderError as e:
-            failure = _Failure(str(e))
+        except RoboscaleError as e:
+            failure = _Failure(to_record(e))
         except Exception as e:  # noqa: BLE001 - anything else is reported with where it happened
             traceback.print_exc()  # the worker's stderr: the full traceback for debugging
             first = self.space.describe(int(task.samples[min(task.batch * task.batch_size, len(task.samples) - 1)]))
-            failure = _Failure(f"loader worker failed on batch {task.batch} of a block starting at ({first}): "
-                               f"{type(e).__name__}: {e}")
+            failure = _Failure(to_record(LoaderError(f"loader worker failed on batch {task.batch} of a block "
+                                                     f"starting at ({first}): {type(e).__name__}: {e}")))
         return failure, {"skipped": [], "decode_s": 0.0, "short": 0}
 
     def _get(self, task: _Task) -> tuple[Any, dict[str, Any]]:
@@ -594,45 +595,77 @@ class _BatchDataset(torch.utils.data.Dataset):
 
 @dataclass
 class _Failure:
-    """An exception from a worker, as data (see ``_BatchDataset.__getitem__``)."""
+    """An exception from a worker, as data (see ``_BatchDataset.__getitem__``): ``roboscale.errors.to_record``."""
 
-    message: str
-    path: str | None = None
-    field: str | None = None
-    episode: int | None = None
+    record: dict[str, Any]
 
     def error(self) -> Exception:
-        if self.path is None:
-            return LoaderError(self.message)
-        err = DatasetError.__new__(DatasetError)  # the message is already formatted: keep it as it was
-        Exception.__init__(err, self.message)
-        err.path, err.field, err.episode = Path(self.path), self.field, self.episode
-        return err
+        return from_record(self.record)
 
 
-class _Watchdog:
-    """Stops the workers when the main process has waited ``timeout_s`` for a batch; torch then finds them dead
-    and raises, and the loader reports the batch. (torch's own ``timeout`` would also postpone its check for
-    crashed workers to the end of that wait: workers of a forkserver are not our children, so no SIGCHLD.)"""
+class _Fetcher:
+    """Runs ``next(iterator)`` on a daemon thread, so the trainer can stop waiting for it.
 
-    def __init__(self, iterator: Any, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.since: float | None = None  # when the current wait for a batch began (set by the main thread)
-        self.fired = False
-        self._workers = list(getattr(iterator, "_workers", []))
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, name="loader-watchdog", daemon=True).start()
+    A worker that returns nothing for ``worker_timeout_s`` is stopped (``stop_processes``). torch then notices the
+    dead worker, but to mark it torch takes a lock that all workers share (its done event); a worker killed while
+    holding that lock (a SIGSTOP or SIGKILL lands anywhere) leaves it held forever, and whoever touches it next
+    blocks for good. So the wait happens here: on time-out the loader stops the workers, gives torch a moment to
+    report them, and otherwise abandons this thread (daemon: it never holds up the interpreter's exit) and the
+    iterator with it. (torch's own ``timeout`` would also postpone its check for crashed workers to the end of that
+    wait: workers of a forkserver are not our children, so no SIGCHLD.)"""
+
+    def __init__(self, iterator: Any):
+        self.iterator = iterator
+        self.stuck = False
+        self._requests: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="loader-fetch", daemon=True).start()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-            since = self.since
-            if since is not None and time.monotonic() - since > self.timeout_s:
-                self.fired, self.since = True, None
-                for worker in self._workers:
-                    worker.terminate()
+        while self._requests.get():
+            try:
+                self._results.put((True, next(self.iterator)))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it was
+                self._results.put((False, e))
 
-    def stop(self) -> None:
-        self._stop.set()
+    def next(self, timeout_s: float, on_timeout: Callable[[], None]) -> Any:
+        """The next item; after ``timeout_s`` without one, ``on_timeout()`` and ``TimeoutError`` (with the error
+        torch raised meanwhile as its cause, if it raised one)."""
+        self._requests.put(True)
+        try:
+            ok, value = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            on_timeout()
+            try:
+                ok, value = self._results.get(timeout=_REPORT_GRACE_S)
+            except queue.Empty:
+                self.stuck = True
+                raise TimeoutError from None
+            raise TimeoutError from (value if not ok else None)
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._requests.put(False)
+
+
+_REPORT_GRACE_S = 10.0  # after stopping timed-out workers: how long torch may take to notice before we give up
+
+
+def stop_processes(processes: Sequence[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after ``grace_s``: a stopped process (SIGSTOP, a debugger, a
+    frozen NFS read) never acts on SIGTERM, and a worker that looks alive makes torch wait on it forever."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
 
 
 def _worker_context(name: str) -> multiprocessing.context.BaseContext:
@@ -698,7 +731,7 @@ class StreamingLoader:
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
         self.worker_timeout_s = worker_timeout_s
-        self._watchdog: _Watchdog | None = None
+        self._fetcher: _Fetcher | None = None
         self.epoch = 0
         self.position = 0
         self._resume_skip: set[tuple[int, int]] = set()
@@ -711,6 +744,7 @@ class StreamingLoader:
         self.skipped_episodes: dict[tuple[str, int], str] = {(name, ep): why for name, ep, why in excluded}
         self.refilled_samples = 0
         self.skipped_batches = 0
+        self._empty_in_a_row = 0
         self.arena_batches = 0  # handed over through the shared-memory arena
 
     @property
@@ -759,7 +793,7 @@ class StreamingLoader:
         )
         iterator = iter(loader)
         if workers and self.worker_timeout_s > 0:
-            self._watchdog = _Watchdog(iterator, self.worker_timeout_s)
+            self._fetcher = _Fetcher(iterator)
         return iterator
 
     def __iter__(self) -> StreamingLoader:
@@ -772,16 +806,18 @@ class StreamingLoader:
             self._iter = self._start()
         while True:
             t0 = time.perf_counter()
-            watchdog = self._watchdog
-            if watchdog is not None:
-                watchdog.since = time.monotonic()
+            fetcher = self._fetcher
             try:
-                batch, info = next(self._iter)
+                if fetcher is None:
+                    batch, info = next(self._iter)
+                else:
+                    workers = list(getattr(fetcher.iterator, "_workers", []))
+                    batch, info = fetcher.next(self.worker_timeout_s, lambda: stop_processes(workers))
             except LoaderError:
                 raise
             except DatasetError:
                 raise
-            except Exception as e:  # a worker crash: name what it was working on
+            except Exception as e:  # a worker crash or a time-out: name what it was working on
                 blocks = self._blocks(self.epoch)
                 order = self._epoch_order(self.epoch, blocks)
                 pending = [t for t in order if t not in self._resume_skip][self.position] \
@@ -792,17 +828,14 @@ class StreamingLoader:
                     where = f" on batch {self.position} of epoch {self.epoch} (first sample: " \
                             f"{self.space.describe(int(ids[0]))})"
                 why = f"{type(e).__name__}: {e}"
-                if watchdog is not None and watchdog.fired:
+                if isinstance(e, TimeoutError):
                     why = f"no batch for {self.worker_timeout_s:g} s (worker_timeout_s): the workers timed out and " \
-                          f"were stopped ({why})"
+                          f"were stopped" + (f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else "")
                 elif "exited unexpectedly" in why and self.multiprocessing_context != "fork":
                     why += " (its error, if any, is on stderr above; workers import your main module, so a script " \
                            "that builds loaders at module level needs `if __name__ == \"__main__\":`)"
                 self.close()
                 raise LoaderError(f"data loader failed{where}: {why}") from e
-            finally:
-                if watchdog is not None:
-                    watchdog.since = None
             if isinstance(batch, _Failure):
                 self.close()
                 raise batch.error()
@@ -822,7 +855,15 @@ class StreamingLoader:
                 self.epoch, self.position, self._resume_skip = self.epoch + 1, 0, set()
             if batch is None:
                 self.skipped_batches += 1
+                self._empty_in_a_row += 1
+                if self._empty_in_a_row >= self.batches_per_epoch:  # else an all-unreadable dataset spins forever
+                    self.close()
+                    raise DatasetError(", ".join(self.space.names), f"every episode read in the last "
+                                       f"{self._empty_in_a_row} batches was unreadable (skipped: "
+                                       f"{len(self.skipped_episodes)} episodes; first: "
+                                       f"{next(iter(self.skipped_episodes.values()), '?')})")
                 continue
+            self._empty_in_a_row = 0
             self.batches += 1
             return batch
 
@@ -832,11 +873,16 @@ class StreamingLoader:
     def close(self) -> None:
         """Stop the workers (the next ``next()`` starts them again where the loader stands)."""
         it, self._iter = self._iter, None
-        watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:
-            watchdog.stop()
+        fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:
+            fetcher.close()
         if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+            workers = list(getattr(it, "_workers", []))
+            if fetcher is not None and fetcher.stuck:
+                it._shutdown = True  # its shared locks may be held by a dead worker: never touch them again
+            else:
+                it._shutdown_workers()
+            stop_processes(workers, grace_s=1.0)  # torch only sends SIGTERM to a worker that does not exit
 
     def __del__(self) -> None:
         try:
@@ -879,18 +925,6 @@ class StreamingLoader:
 # --------------------------------------------------------------------------------------------------- builder
 
 
-def _known_bad(source: FrameSource, tolerance_s: float) -> dict[int, str]:
-    """Episodes ``roboscale.data.validate`` finds unreadable (raw datasets only; {} when it is not available)."""
-    root = getattr(source, "root", None)
-    if root is None or not (Path(root) / "meta" / "info.json").is_file():
-        return {}
-    try:
-        from roboscale.data.validate import bad_episodes
-    except ImportError:
-        return {}
-    return bad_episodes(root, tolerance_s=tolerance_s)
-
-
 def build_loader(
     source: Any,
     *,
@@ -909,6 +943,7 @@ def build_loader(
     block_samples: int = 256,
     chunk_frames: int = 16,
     skip_bad_episodes: bool = False,
+    check: bool = True,
     tolerance_s: float = 1e-4,
     multiprocessing_context: str = "forkserver",
     worker_timeout_s: float = 600.0,
@@ -927,9 +962,12 @@ def build_loader(
     batch-sized buffers, sized from the features with 25% headroom for what transforms add).
     ``multiprocessing_context``: how workers start ("forkserver", "spawn" or "fork"; see the module docstring).
     ``worker_timeout_s``: a worker silent this long fails the loader with the batch it was on (0: wait forever).
+    ``check``: run each source's cheap up-front checks (``FrameSource.unreadable_episodes``: what LeRobot's reader
+    and ``roboscale data validate --quick`` refuse) and refuse unreadable episodes, or exclude them with
+    ``skip_bad_episodes``; episodes that fail later, at read time, are skipped and counted the same way.
     """
     if batch_size <= 0:
-        raise ValueError("batch_size must be positive")
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     options = dict(source_options or {})
@@ -940,14 +978,14 @@ def build_loader(
     fps = float(first.fps)
     for s, n in zip(sources, names, strict=True):
         if float(s.fps) != fps:
-            raise ValueError(f"mixture sources must share one fps: {names[0]} has {fps}, {n} has {s.fps}")
+            raise ConfigError(f"mixture sources must share one fps: {names[0]} has {fps}, {n} has {s.fps}")
     if keys is None:
         keys = [k for k, f in first.features.items() if f.get("dtype") != "string"]
     keys = list(dict.fromkeys(keys))
     for s, n in zip(sources, names, strict=True):
         missing = [k for k in keys if k not in s.features]
         if missing:
-            raise ValueError(f"{n} has no feature {missing[0]!r} (it has {sorted(s.features)})")
+            raise DatasetError(n, f"no such feature (it has {sorted(s.features)})", field=missing[0])
     cameras = {k for k in keys if first.features[k].get("dtype") in ("video", "image")}
     deltas = _delta_offsets(delta_timestamps, fps, tolerance_s, first.features, names[0])
     unread = set(deltas) - set(keys)
@@ -957,17 +995,19 @@ def build_loader(
 
     lengths = space.lengths.copy()
     excluded: list[tuple[str, int, str]] = []
-    if skip_bad_episodes:
+    if check:
+        from roboscale.data.validate import readable_or_raise
+
         for i, (s, n) in enumerate(zip(sources, names, strict=True)):
-            bad = _known_bad(s, tolerance_s)
+            bad = s.unreadable_episodes()
+            readable_or_raise(n, bad, len(s.episode_ids), skip_bad_episodes=skip_bad_episodes)
             if not bad:
                 continue
-            ids = np.asarray(s.episode_ids)
+            mine = np.flatnonzero(space.source_of == i)
+            position = {int(ep): k for k, ep in enumerate(np.asarray(s.episode_ids).tolist())}
             for ep, why in bad.items():
-                pos = np.flatnonzero(ids == ep)
-                if pos.size:
-                    lengths[np.flatnonzero(space.source_of == i)[pos[0]]] = 0
-                    excluded.append((n, int(ep), why))
+                lengths[mine[position[ep]]] = 0
+                excluded.append((n, int(ep), why))
             log.warning("%s: skipping %d unreadable episodes (%s)", n, len(bad), sorted(bad)[:10])
     frames = np.array([lengths[space.source_of == i].sum() for i in range(len(sources))], dtype=np.int64)
     weights = [w for _, w in opened]
@@ -975,20 +1015,20 @@ def build_loader(
         quotas = frames
     else:
         if any(w is None for w in weights):
-            raise ValueError("give every mixture source a weight, or none")
+            raise ConfigError("give every mixture source a weight, or none")
         wsum = sum(weights)
         if wsum <= 0:
-            raise ValueError("mixture weights sum to 0")
+            raise ConfigError("mixture weights sum to 0")
         total = int(frames.sum())
         quotas = np.array([int(round(total * w / wsum)) if frames[i] else 0 for i, w in enumerate(weights)],
                           dtype=np.int64)
     # unshuffled: one batch per block, so the batches dealt round-robin to workers come back in dataset order
     block_batches = max(1, block_samples // batch_size) if shuffle else 1
-    plan = _Plan(lengths, space.source_of, quotas, batch_size, block_batches, max(1, chunk_frames), shuffle, seed,
-                 rank, world_size)
+    plan = _Plan(lengths, space.starts[:-1], space.source_of, quotas, batch_size, block_batches,
+                 max(1, chunk_frames), shuffle, seed, rank, world_size)
     if plan.batches_per_epoch == 0:
-        raise ValueError(f"{int(quotas.sum())} samples per epoch: too few for batch_size {batch_size} x "
-                         f"world_size {world_size}")
+        raise ConfigError(f"{', '.join(names)}: {int(quotas.sum())} samples per epoch are too few for batch_size "
+                          f"{batch_size} x world_size {world_size}")
     if num_workers:
         for what, obj in (("transform", transform), ("collate", collate)):
             _check_picklable(what, obj, multiprocessing_context)

@@ -111,6 +111,12 @@ class RawSource:
     def __repr__(self) -> str:
         return f"RawSource({str(self.root)!r}, episodes={len(self._ids)}, frames={int(self._lengths.sum())})"
 
+    def unreadable_episodes(self) -> dict[int, str]:
+        from roboscale.data.validate import bad_episodes
+
+        selected = set(self._ids.tolist())
+        return {ep: why for ep, why in bad_episodes(self.root, tolerance_s=self.tolerance_s).items() if ep in selected}
+
     def data_path(self, episode: int) -> Path:
         return self.root / self._data_paths[self._data_file[episode]]
 

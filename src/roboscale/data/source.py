@@ -62,6 +62,12 @@ class FrameSource(Protocol):
         """
         ...
 
+    def unreadable_episodes(self) -> dict[int, str]:
+        """Cheap up-front checks (the reader's: metadata, episode indices, timestamps, file presence, one frame per
+        episode and camera): dataset ``episode_index`` -> why, for the selected episodes that cannot be read.
+        Problems no episode skip avoids raise ``DatasetError``. Run by the loader before it plans an epoch."""
+        ...
+
     def close(self) -> None:
         """Release file handles and decoders (the source can be read again afterwards; it reopens lazily)."""
         ...

@@ -535,15 +535,32 @@ def bad_episodes(root: str | Path, *, tolerance_s: float = DEFAULT_TOLERANCE_S) 
     """episode -> reason, for every episode a loader should skip (``--skip-bad-episodes``); {} when all are fine.
 
     Runs the quick check (``full=False``; cost in the module doc). Problems with the dataset as a whole (info.json,
-    tasks, episodes metadata, stats.json) cannot be skipped around: they raise one DatasetError that names the
-    first of them and counts the rest."""
+    tasks, episodes metadata, stats.json, gaps in the episode indices) cannot be skipped around: they raise one
+    DatasetError that names the first of them and counts the rest."""
     report = validate(root, full=False, tolerance_s=tolerance_s)
     general = report.dataset_problems()
     if general:
         more = f" (and {len(general) - 1} more dataset-level problems)" if len(general) > 1 else ""
         first = general[0]
-        raise DatasetError(first.path, first.message + more, field=first.field)
+        raise DatasetError(first.path, f"{first.message}{more}; run `roboscale data validate {root}` for all",
+                           field=first.field, episode=first.episode)
     return report.bad_episodes()
+
+
+def readable_or_raise(root: str | Path, bad: Mapping[int, str], total: int, *, skip_bad_episodes: bool) -> None:
+    """The gate in front of training data: refuse a dataset with unreadable episodes unless they are skipped, and
+    refuse one where skipping would leave nothing. ``bad`` is ``bad_episodes(root)`` restricted to the ``total``
+    episodes the caller reads."""
+    if not bad:
+        return
+    first = next(iter(bad.values()))
+    if not skip_bad_episodes:
+        raise DatasetError(root, f"{len(bad)} of {total} episodes cannot be read (first: {first}); fix them, or skip "
+                                 "them with --skip-bad-episodes (skip_bad_episodes=True); `roboscale data validate` "
+                                 "lists every problem")
+    if len(bad) >= total:
+        raise DatasetError(root, f"all {total} episodes were skipped because they cannot be read (first: {first}); "
+                                 "`roboscale data validate` lists every problem")
 
 
 # --------------------------------------------------------------------------------------------------- summary

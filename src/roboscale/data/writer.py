@@ -12,9 +12,9 @@ An episode's frames are buffered in memory until ``save_episode`` (LeRobot stage
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,9 @@ from roboscale.data import lerobot_format as fmt
 from roboscale.data.stats import Stats, aggregate_stats, compute_episode_stats
 from roboscale.data.video import VideoStreamWriter, available_codec, canonical_codec_name, encode_png
 from roboscale.errors import DatasetError
-from roboscale.utils.io import fsync_dir
+from roboscale.utils.io import fsync_dir, make_temporary_directory, remove_stale_temporaries
+
+log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
 _EPISODES_PER_META_FLUSH = 10  # LeRobot's metadata_buffer_size: one meta row group per 10 episodes
@@ -264,9 +266,10 @@ class DatasetWriter:
     Use ``DatasetWriter.create(...)``. As a context manager it finalizes on success and aborts on an exception.
     """
 
-    def __init__(self, root: Path, staging: Path, info: fmt.DatasetInfo, video: VideoSettings):
+    def __init__(self, root: Path, staging: Path, info: fmt.DatasetInfo, video: VideoSettings, lock: int):
         self.root = root
         self.staging = staging
+        self._lock = lock  # held while this writer lives: its staging directory is not stale
         self.info = info
         self.features = info.features
         self._user_keys = [k for k in self.features if k not in fmt.DEFAULT_FEATURES]
@@ -327,9 +330,10 @@ class DatasetWriter:
             data_files_size_in_mb=data_files_size_in_mb, video_files_size_in_mb=video_files_size_in_mb,
             video_path=fmt.DEFAULT_VIDEO_PATH if has_video else None,
         )
-        root.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".partial", dir=root.parent))
-        return cls(root, staging, info, video)
+        for stale in remove_stale_temporaries(root.parent, [root.name]):  # of a writer that was killed
+            log.info("removed %s, left by a writer that did not finish", stale)
+        staging, lock = make_temporary_directory(root, suffix=".partial")
+        return cls(root, staging, info, video, lock)
 
     @staticmethod
     def _feature_entry(ft: Mapping[str, Any], fps: int, video: VideoSettings) -> dict[str, Any]:
@@ -529,6 +533,7 @@ class DatasetWriter:
         os.replace(self.staging, self.root)  # rename(2) also replaces an empty directory
         fsync_dir(self.root.parent)
         self._done = True
+        os.close(self._lock)
         return self.root
 
     def abort(self) -> None:
@@ -540,6 +545,7 @@ class DatasetWriter:
             self._close_files()
         finally:
             shutil.rmtree(self.staging, ignore_errors=True)
+            os.close(self._lock)
 
     def __enter__(self) -> DatasetWriter:
         return self

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from roboscale.errors import RoboscaleError, WorkerError, from_record, to_record
+
 log = logging.getLogger(__name__)
 
 
@@ -121,8 +123,10 @@ def _worker(jobs: list[RolloutJob], results: mp.Queue, threads: int) -> None:
         for env in envs.values():
             env.close()
         results.put(("done", None))
+    except RoboscaleError as exc:  # a bad checkpoint or task: raised again in the parent as it was
+        results.put(("error", to_record(exc)))
     except Exception as exc:  # report, don't hang the parent
-        results.put(("error", f"{type(exc).__name__}: {exc}"))
+        results.put(("error", to_record(WorkerError(f"evaluation worker failed: {type(exc).__name__}: {exc}"))))
 
 
 def run_rollouts(jobs: list[RolloutJob], workers: int, progress: bool = True) -> list[EpisodeResult]:
@@ -147,7 +151,8 @@ def run_rollouts(jobs: list[RolloutJob], workers: int, progress: bool = True) ->
                 except queue_module.Empty:
                     dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                     if dead:
-                        raise RuntimeError(f"an evaluation worker died (exit code {dead[0].exitcode})") from None
+                        raise WorkerError(f"an evaluation worker died (exit code {dead[0].exitcode}) after "
+                                          f"{len(out)} of {len(jobs)} episodes") from None
                     continue
                 if kind == "result":
                     out.append(payload)
@@ -156,7 +161,7 @@ def run_rollouts(jobs: list[RolloutJob], workers: int, progress: bool = True) ->
                 elif kind == "done":
                     done += 1
                 else:
-                    raise RuntimeError(f"evaluation worker failed: {payload}")
+                    raise from_record(payload)
     finally:
         for p in procs:
             p.join(timeout=1.0)

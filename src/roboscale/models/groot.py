@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from roboscale.config import register
 from roboscale.errors import CheckpointError, ConfigError
@@ -32,6 +31,7 @@ from roboscale.models.groot_vlm import EagleVLM, VLLayout
 from roboscale.models.normalize import Normalizer
 from roboscale.models.policy import TOKENIZER_NAME, Policy, PolicyConfig
 from roboscale.models.tokenizer import TaskTokenizer, pad_token_ids
+from roboscale.utils.images import resize_with_pad
 
 TOKENS, TOKENS_MASK = "observation.language.tokens", "observation.language.attention_mask"
 
@@ -283,18 +283,16 @@ class GrootPolicy(Policy):
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def _images(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Cameras stacked to float [B * n_cam, 3, S, S] in [-1, 1] (SigLIP's input range)."""
+        """Cameras stacked to float [B * n_cam, 3, S, S] in [-1, 1] (SigLIP's input range); each camera is fitted
+        to S x S on its own first (cameras may differ in size)."""
         frames = []
         for key in self.config.image_keys:
             if key not in batch:
                 raise KeyError(f"observation has no {key!r}; this policy reads cameras {self.config.image_keys}")
             img = batch[key]
-            frames.append(img.float() / 255.0 if img.dtype == torch.uint8 else img.float())
-        images = torch.stack(frames, dim=1).flatten(0, 1)
-        size = self.config.image_size
-        if images.shape[-2:] != (size, size):
-            images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        return images * 2.0 - 1.0
+            img = img.float() / 255.0 if img.dtype == torch.uint8 else img.float()
+            frames.append(resize_with_pad(img, self.config.image_size))
+        return torch.stack(frames, dim=1).flatten(0, 1) * 2.0 - 1.0
 
     def _language(self, batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded token ids [B, L] and mask; tokenizes ``task`` unless the batch brings token ids.

@@ -53,6 +53,7 @@ from roboscale.models.layers import (
 from roboscale.models.normalize import Normalizer
 from roboscale.models.policy import TOKENIZER_NAME, Policy, PolicyConfig
 from roboscale.models.tokenizer import TaskTokenizer
+from roboscale.utils.images import resize_with_pad
 
 
 @register(PolicyConfig, "pi05")
@@ -311,6 +312,7 @@ class Pi05Transform:
     def __init__(self, cfg: Pi05Config, state_normalizer: Normalizer, action_normalizer: Normalizer,
                  tokenizer: TaskTokenizer | None):
         self.image_keys = list(cfg.image_keys)
+        self.image_size = cfg.image_size
         self.state_key, self.action_key = cfg.state_key, cfg.action_key
         self.max_language_tokens = cfg.max_language_tokens
         self.state_input = cfg.state_input
@@ -337,11 +339,13 @@ class Pi05Transform:
             images = torch.as_tensor(sample["images"])
             mask = torch.as_tensor(sample.get("image_mask", torch.ones(images.shape[0], dtype=torch.bool))).bool()
             return images, mask
-        present = [torch.as_tensor(sample[k]) for k in self.image_keys if k in sample]
+        # cameras may differ in size (a wrist camera smaller than the scene's): fit each before stacking them
+        present = {k: resize_with_pad(torch.as_tensor(sample[k]), self.image_size) for k in self.image_keys
+                   if k in sample}
         if not present:
             raise KeyError(f"sample has none of the cameras this policy reads: {self.image_keys}")
-        blank = torch.zeros_like(present[0])
-        images = torch.stack([torch.as_tensor(sample[k]) if k in sample else blank for k in self.image_keys])
+        blank = torch.zeros_like(next(iter(present.values())))
+        images = torch.stack([present.get(k, blank) for k in self.image_keys])
         mask = torch.tensor([k in sample for k in self.image_keys], dtype=torch.bool)
         if "image_mask" in sample:
             mask &= torch.as_tensor(sample["image_mask"]).bool()
@@ -395,7 +399,8 @@ class Pi05Transform:
             actions = self.action_normalizer.normalize(torch.as_tensor(actions).float().cpu())
             is_pad = torch.zeros(actions.shape[:2], dtype=torch.bool) if is_pad is None else torch.as_tensor(is_pad)
             is_pad = is_pad.bool().cpu()
-        images = torch.stack([torch.as_tensor(batch[k]).cpu() for k in self.image_keys], dim=1)
+        images = torch.stack([resize_with_pad(torch.as_tensor(batch[k]).cpu(), self.image_size)
+                              for k in self.image_keys], dim=1)
         image_mask = batch.get("image_mask")
         if image_mask is None:
             image_mask = torch.ones(images.shape[:2], dtype=torch.bool)
@@ -499,9 +504,7 @@ class Pi05Policy(Policy):
     def _prepare_images(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (or [0, 1] float) [N, 3, H, W] -> float [N, 3, S, S] in [-1, 1]."""
         images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
-        size = self.config.image_size
-        if images.shape[-2:] != (size, size):
-            images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        images = resize_with_pad(images, self.config.image_size)
         if self.training and self.config.random_shift > 0:
             images = random_shift(images, self.config.random_shift)
         return images * 2.0 - 1.0

@@ -176,4 +176,7 @@ def read_policy_config(directory: Path) -> dict:
         raise CheckpointError(path, f"not valid JSON ({exc})") from None
     if not isinstance(data, dict) or "type" not in data:
         raise CheckpointError(path, "has no 'type' field naming the policy (e.g. \"type\": \"pi05\")")
+    if not isinstance(data["type"], str):
+        raise CheckpointError(path, f"'type' must be a string naming the policy (e.g. \"pi05\"), got "
+                                    f"{json.dumps(data['type'])}")
     return data

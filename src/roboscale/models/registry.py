@@ -38,8 +38,13 @@ class ForeignLoader:
     load: Callable[..., Policy]
 
 
-def _fill_from_dataset(cfg: PolicyConfig, meta) -> None:
-    """Dataset-derived config fields: cameras, state/action sizes, fps."""
+# Policy config fields a build fills from the dataset (or the tokenizer) when left at 0 / empty.
+FILLED_AT_BUILD = ("image_keys", "state_dim", "action_dim", "fps", "vocab_size")
+
+
+def fit_to_dataset(cfg: PolicyConfig, meta) -> None:
+    """Check a policy config against a dataset and fill its dataset-derived fields (cameras, state/action sizes,
+    fps); a config already filled (a checkpoint's) is only checked. Errors name the feature and the dataset."""
     features = meta.features
     for key in (cfg.state_key, cfg.action_key):
         if key not in features:
@@ -56,6 +61,9 @@ def _fill_from_dataset(cfg: PolicyConfig, meta) -> None:
             raise ConfigError(f"policy.{name} is {getattr(cfg, name)} but {key!r} of the dataset at {meta.root} has "
                               f"{size} values; set --policy.{name}={size} (or 0 to take it from the dataset)")
         setattr(cfg, name, getattr(cfg, name) or size)
+    if cfg.fps and float(cfg.fps) != float(meta.fps):
+        raise ConfigError(f"policy.fps is {cfg.fps} but the dataset at {meta.root} has fps {meta.fps}: its action "
+                          "chunks would span another stretch of time")
     cfg.fps = cfg.fps or float(meta.fps)
 
 
@@ -70,7 +78,7 @@ def _language_policy_builder(policy_class):
     """build(config, meta) for a policy with a tokenizer and state/action normalizers (pi05, groot)."""
 
     def build(cfg, meta):
-        _fill_from_dataset(cfg, meta)
+        fit_to_dataset(cfg, meta)
         tokenizer = _tokenizer_for(cfg, meta)
         cfg.vocab_size = tokenizer.vocab_size
         policy = policy_class(cfg, tokenizer)
@@ -144,7 +152,7 @@ POLICIES: dict[str, PolicySpec] = {
 
 def get_spec(name: str) -> PolicySpec:
     if name not in POLICIES:
-        raise ValueError(f"unknown policy type {name!r}; known: {sorted(POLICIES)}")
+        raise ConfigError(f"unknown policy type {name!r}; known: {sorted(POLICIES)}")
     return POLICIES[name]
 
 

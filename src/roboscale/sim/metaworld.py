@@ -17,6 +17,8 @@ os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
 import numpy as np  # noqa: E402
 
+from roboscale.errors import ConfigError  # noqa: E402
+
 TASK_DESCRIPTIONS: dict[str, str] = {
     "assembly-v3": "Pick up a nut and place it onto a peg",
     "basketball-v3": "Dunk the basketball into the basket",
@@ -110,7 +112,7 @@ def resolve_tasks(names: list[str] | tuple[str, ...] | str) -> list[str]:
             continue
         full = name if name.endswith("-v3") else f"{name}-v3"
         if full not in TASK_DESCRIPTIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown MetaWorld task {name!r}; use one of the suites {sorted(SUITES)} "
                 f"or a task name such as 'drawer-open' (all 50: `roboscale data tasks`)"
             )

@@ -10,12 +10,20 @@
 A step directory is assembled under a temporary name and renamed into place, then ``last`` is switched with an
 atomic symlink replace; a run killed at any moment leaves the previous checkpoint intact and ``last`` pointing
 at a complete one. Everything is safetensors or JSON.
+
+What a killed save leaves (a hidden ``.<step>.<random>.tmp/``, ``.last.tmp``) is removed by the next run
+(``remove_stale_files``): only our own names, and only temporaries no live process holds. Retention
+(``prune_checkpoints``) keeps the newest ``keep_last`` step directories and whatever ``last`` and ``best`` point
+to; a step directory is renamed away before it is deleted, so a kill mid-delete never leaves half a checkpoint
+under a step name.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +32,13 @@ from safetensors.torch import load_file, save_file
 
 from roboscale.config import to_dict
 from roboscale.errors import CheckpointError
-from roboscale.utils.io import atomic_directory, fsync_dir
+from roboscale.utils.io import atomic_directory, fsync_dir, remove_stale_temporaries
 
 PRETRAINED = "pretrained_model"
 TRAINING_STATE = "training_state"
+TRAIN_CONFIG = "train_config.json"
+POINTERS = ("last", "best")  # symlinks to step directories; retention never deletes what they point to
+_STEP_NAME = re.compile(r"^\d{6,}$")
 
 
 def step_name(step: int) -> str:
@@ -67,7 +78,7 @@ def save_checkpoint(
     with atomic_directory(target, overwrite=True) as tmp:
         pretrained = tmp / PRETRAINED
         policy.save_pretrained(pretrained)
-        (pretrained / "train_config.json").write_text(json.dumps(to_dict(train_config), indent=4))
+        (pretrained / TRAIN_CONFIG).write_text(json.dumps(to_dict(train_config), indent=4))
         state_dir = tmp / TRAINING_STATE
         state_dir.mkdir()
         tensors, groups = _optimizer_tensors(optimizer)
@@ -87,6 +98,66 @@ def _point_last(checkpoints: Path, name: str) -> None:
     os.symlink(name, tmp)
     os.replace(tmp, checkpoints / "last")
     fsync_dir(checkpoints)
+
+
+def step_directories(checkpoints: Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    if not checkpoints.is_dir():
+        return []
+    found = [p for p in checkpoints.iterdir() if _STEP_NAME.match(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def remove_stale_files(output_dir: Path) -> list[Path]:
+    """What killed saves left under ``<output_dir>/checkpoints`` (see the module docstring); returns it."""
+    checkpoints = Path(output_dir) / "checkpoints"
+    if not checkpoints.is_dir():
+        return []
+    names = {p.name.split(".")[1] for p in checkpoints.glob(".*.*") if p.name.count(".") >= 2}
+    removed = remove_stale_temporaries(checkpoints, sorted(n for n in names if _STEP_NAME.match(n)))
+    for leftover in (checkpoints / ".last.tmp", checkpoints / ".best.tmp"):
+        if leftover.is_symlink():
+            leftover.unlink()
+            removed.append(leftover)
+    for doomed in checkpoints.glob(".*.deleting"):  # a retention delete that was cut short
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(doomed)
+    return removed
+
+
+def prune_checkpoints(output_dir: Path, keep_last: int) -> list[Path]:
+    """Delete step directories beyond the newest ``keep_last`` (0 keeps all), never one that ``last`` or ``best``
+    points to; returns what was deleted."""
+    checkpoints = Path(output_dir) / "checkpoints"
+    steps = step_directories(checkpoints)
+    if keep_last <= 0 or len(steps) <= keep_last:
+        return []
+    pinned = {(checkpoints / name).resolve() for name in POINTERS if (checkpoints / name).is_symlink()}
+    deleted = []
+    for step_dir in steps[:-keep_last]:
+        if step_dir.resolve() in pinned:
+            continue
+        doomed = checkpoints / f".{step_dir.name}.deleting"
+        os.replace(step_dir, doomed)
+        shutil.rmtree(doomed)
+        deleted.append(step_dir)
+    if deleted:
+        fsync_dir(checkpoints)
+    return deleted
+
+
+def saved_train_config(checkpoint: Path) -> dict[str, Any]:
+    """The training config a checkpoint was saved with (``pretrained_model/train_config.json``)."""
+    path = Path(checkpoint) / PRETRAINED / TRAIN_CONFIG
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing; cannot resume from this checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(path, f"not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(path, "expected a JSON object of training options")
+    return data
 
 
 def last_checkpoint(output_dir: Path) -> Path | None:

@@ -9,9 +9,11 @@ checkpoint, so a resumed run sees exactly the batches the uninterrupted run woul
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +21,12 @@ from typing import Any
 
 import torch
 
-from roboscale.config import ConfigError, save_yaml
+from roboscale.config import ConfigError, save_yaml, to_dict
 import roboscale.models.registry  # noqa: F401  (registers every policy type for --policy.type)
 from roboscale.models.pi05 import Pi05Config
 from roboscale.models.policy import PolicyConfig
 from roboscale.train.telemetry import COUNTS
+from roboscale.utils.io import exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,16 @@ class OptimizerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    keep_last: int = 3
+    """Keep this many most recent checkpoints (0: all); `last` (and the best evaluated one) are always kept."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
+
+
+@dataclass
 class TrainConfig:
     """`roboscale train`: train a policy on a LeRobot v3.0 dataset."""
 
@@ -91,12 +104,104 @@ class TrainConfig:
     """Where checkpoints/ and tensorboard/ go."""
     save_freq: int = 500
     """Save a checkpoint every this many steps (and at the end)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint retention."""
     log_freq: int = 50
     """Log metrics every this many steps."""
     resume: bool = False
-    """Continue from <output_dir>/checkpoints/last exactly where it stopped."""
+    """Continue from <output_dir>/checkpoints/last exactly where it stopped. Options not given are the
+    checkpoint's; steps, save_freq, log_freq, checkpoint.*, num_threads and the loader's worker settings may
+    change, anything else that differs is refused."""
     num_threads: int = 0
     """torch CPU threads (0: all cores)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "save_freq", "log_freq"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value <= 0:
+                raise ConfigError(f"--{name} must be a positive integer, got {value}")
+        if self.num_threads < 0:
+            raise ConfigError(f"--num_threads must be >= 0, got {self.num_threads}")
+
+
+# Options a resumed run may change: they do not alter the model, the data order or the optimizer's trajectory
+# (steps moves the end of the cosine schedule, which is what a user extending a run wants).
+RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threads", "resume",
+                     "dataset.num_workers", "dataset.prefetch_factor")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def resume_conflicts(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """``--option=value (checkpoint: value)`` for every option of ``cfg`` that a resume may not change. Policy
+    fields left to be filled from the dataset (0 / empty) take the checkpoint's value."""
+    from roboscale.models.registry import FILLED_AT_BUILD
+
+    old, new = _flatten(saved), _flatten(to_dict(cfg))
+    for name in FILLED_AT_BUILD:
+        key = f"policy.{name}"
+        if not new.get(key) and key in old:
+            new[key] = old[key]
+    conflicts = []
+    for key in sorted(set(old) | set(new)):
+        if key.startswith(RESUMABLE_CHANGES) or key == "output_dir":
+            continue
+        if key in old and key in new and _same(old[key], new[key]):
+            continue
+        if key not in old and not key.startswith("policy."):
+            continue  # an option this checkpoint predates: its default applies
+        shown = json.dumps(new.get(key, "<absent>"))
+        conflicts.append(f"--{key}={shown} (checkpoint: {json.dumps(old.get(key, '<absent>'))})")
+    return conflicts
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def parse_train_args(argv: list[str]) -> TrainConfig:
+    """``roboscale train`` options; with ``--resume``, the options not given are the checkpoint's own."""
+    from roboscale.config import from_dict, parse
+    from roboscale.train.checkpoint import saved_train_config
+
+    cfg = parse(TrainConfig, argv, prog="roboscale train")
+    if not cfg.resume:
+        return cfg
+    checkpoint = _resume_checkpoint(Path(cfg.output_dir))
+    saved = from_dict(TrainConfig, saved_train_config(checkpoint), where=str(checkpoint))
+    return parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
+
+
+def _resume_checkpoint(output_dir: Path) -> Path:
+    from roboscale.train.checkpoint import last_checkpoint
+
+    checkpoint = last_checkpoint(output_dir)
+    if checkpoint is None:
+        raise ConfigError(f"--resume: no checkpoint under {output_dir / 'checkpoints'} to resume from")
+    return checkpoint
+
+
+def prepare_output_dir(output_dir: Path) -> None:
+    """Create ``output_dir`` and prove it writable now, not at the first checkpoint an hour later."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output_dir {output_dir}: exists and is not a directory")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--output_dir {output_dir}: cannot write there ({exc.strerror or exc})") from None
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
@@ -159,25 +264,46 @@ def accumulate_gradients(policy: torch.nn.Module, batch: Any) -> dict[str, float
 
 def train(cfg: TrainConfig, progress: bool = True) -> Path:
     """Train and return the final checkpoint's ``pretrained_model`` directory."""
-    from tqdm import tqdm
-
-    from roboscale.data.loader import build_loader, source_meta
-    from roboscale.data.source import open_source
-    from roboscale.models.registry import build_policy
-    from roboscale.train.checkpoint import PRETRAINED, last_checkpoint, load_training_state, save_checkpoint
-    from roboscale.train.telemetry import Telemetry
-
     output_dir = Path(cfg.output_dir)
-    resume_from = None
-    if cfg.resume:
-        resume_from = last_checkpoint(output_dir)
-        if resume_from is None:
-            raise ConfigError(f"--resume: no checkpoint under {output_dir / 'checkpoints'} to resume from")
-    elif (output_dir / "checkpoints").exists():
+    resume_from = _resume_checkpoint(output_dir) if cfg.resume else None
+    if resume_from is None and (output_dir / "checkpoints").exists():
         raise ConfigError(
             f"--output_dir {output_dir} already has checkpoints; pass --resume=true to continue it "
             "or choose another --output_dir"
         )
+    prepare_output_dir(output_dir)
+    # one run per output_dir: a second one (another shell, a retried job) would interleave checkpoints
+    with exclusive_lock(output_dir / ".train.lock", lambda holder: ConfigError(
+            f"--output_dir {output_dir}: another training ({holder}) is writing there")):
+        from roboscale.train.checkpoint import remove_stale_files
+
+        for stale in remove_stale_files(output_dir):
+            log.info("removed %s, left by a run that was killed while saving", stale)
+        return _train(cfg, output_dir, resume_from, progress)
+
+
+def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progress: bool) -> Path:
+    from tqdm import tqdm
+
+    from roboscale.data.loader import build_loader, source_meta
+    from roboscale.data.source import open_source
+    from roboscale.models.registry import build_policy, fit_to_dataset
+    from roboscale.train.checkpoint import (
+        PRETRAINED,
+        last_checkpoint,
+        load_training_state,
+        prune_checkpoints,
+        save_checkpoint,
+        saved_train_config,
+    )
+    from roboscale.train.telemetry import Telemetry
+
+    if resume_from is not None:
+        conflicts = resume_conflicts(saved_train_config(resume_from), cfg)
+        if conflicts:
+            raise ConfigError(f"--resume: {len(conflicts)} options differ from the checkpoint's "
+                              f"({resume_from / PRETRAINED / 'train_config.json'}): {'; '.join(conflicts)}. A resumed "
+                              "run continues the same run; drop them, or train into a new --output_dir")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
@@ -196,6 +322,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
 
         policy = Policy.from_pretrained(resume_from / PRETRAINED)
         cfg.policy = policy.config
+        try:
+            fit_to_dataset(cfg.policy, meta)  # the data may have changed since the checkpoint was written
+        except ConfigError as e:
+            raise ConfigError(f"--resume: {resume_from / PRETRAINED / 'config.json'} does not fit the data: {e}"
+                              ) from None
     else:
         policy = build_policy(cfg.policy, meta)
     pc = policy.config
@@ -235,7 +366,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
         step, loader_state = load_training_state(resume_from, optimizer, scheduler)
         loader.load_state_dict(loader_state)
         log.info("resumed from %s at step %d", resume_from, step)
-    output_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(cfg, output_dir / "train_config.yaml")
 
     telemetry = Telemetry(output_dir / "tensorboard", cfg.batch_size)
@@ -267,6 +397,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
                     bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
                 if step % cfg.save_freq == 0 or step == cfg.steps:
                     final = save_checkpoint(output_dir, step, policy, optimizer, scheduler, loader.state_dict(), cfg)
+                    prune_checkpoints(output_dir, cfg.checkpoint.keep_last)
     finally:  # stop the loader's worker processes even when a step fails
         telemetry.close()
         loader.close()

@@ -6,11 +6,13 @@ write, even after ``kill -9``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,17 +55,92 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int = 4) -> None:
 
 
 @contextmanager
+def exclusive_lock(path: str | Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold an OS lock (flock) on ``path`` for the block; if another process holds it, raise ``refuse(holder)``
+    (holder: "pid N on HOST"). The kernel releases the lock when the holder exits, even by ``kill -9``, so a
+    crashed run never leaves a stale lock behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise refuse(handle.read().strip() or "another process") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.truncate(0)
+
+
+def make_temporary_directory(path: str | Path, suffix: str = ".tmp") -> tuple[Path, int]:
+    """A hidden sibling ``.<name>.<random><suffix>`` of ``path`` to build it in, and an open descriptor that holds
+    an exclusive lock on it until closed. The lock says "a live process is writing this": the kernel drops it when
+    the process dies, even by ``kill -9``, so ``remove_stale_temporaries`` can tell abandoned temporaries from
+    live ones (a pid file could be stale or reused)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent))
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return tmp, fd
+
+
+def remove_stale_temporaries(directory: str | Path, names: Iterable[str]) -> list[Path]:
+    """Remove the temporaries of the given ``names`` (``.<name>.*.tmp``/``.partial`` directories of
+    ``make_temporary_directory``, and ``.<name>.old``) that no live process holds; returns what was removed.
+
+    ``.<name>.old`` is what ``atomic_directory(overwrite=True)`` moved aside; if a kill came before the new
+    directory took its place, the old one is put back instead of deleted."""
+    directory = Path(directory)
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for name in names:
+        for tmp in sorted(directory.glob(f".{name}.*")):
+            if tmp.name == f".{name}.old" and tmp.is_dir():
+                if (directory / name).exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    removed.append(tmp)
+                else:
+                    os.replace(tmp, directory / name)
+                continue
+            if tmp.is_dir() and not tmp.is_symlink() and tmp.suffix in (".tmp", ".partial") and _abandoned(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+    return removed
+
+
+def _abandoned(tmp: Path) -> bool:
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # the lock, if taken, goes with it: removal follows at once
+
+
+@contextmanager
 def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory under a temporary name and rename it into place when the block succeeds.
 
     With ``overwrite`` an existing ``path`` is replaced (moved aside, then deleted after the rename), so there is
-    never a moment without a complete directory at ``path``.
+    never a moment without a complete directory at ``path``. A kill leaves only a hidden temporary, which
+    ``remove_stale_temporaries`` recognizes as abandoned.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp, lock = make_temporary_directory(path)
     try:
         yield tmp
         for root, _, files in os.walk(tmp):
@@ -81,3 +158,4 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)

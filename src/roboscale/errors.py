@@ -61,8 +61,9 @@ class WorkerError(RoboscaleError, RuntimeError):
 
 
 def one_line(exc: BaseException) -> str:
-    """The message on one line (library errors quoted inside ours sometimes carry newlines)."""
-    return " ".join(str(exc).split())
+    """The message on one printable line (library errors quoted inside ours carry newlines, and sometimes bytes
+    of the damaged file)."""
+    return " ".join("".join(c if c.isprintable() else " " for c in str(exc)).split())
 
 
 _ATTRIBUTES = ("path", "field", "episode")

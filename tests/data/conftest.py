@@ -125,13 +125,3 @@ def write_small_dataset(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def small_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_small_dataset(tmp_path_factory.mktemp("small") / "dataset")
-
-
-@pytest.fixture
-def small_copy(small_root: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "dataset"
-    shutil.copytree(small_root, dst)
-    return dst

@@ -31,6 +31,7 @@ from av.video.reformatter import VideoReformatter
 
 from roboscale.data.video import open_video_stream
 from roboscale.errors import DatasetError
+from roboscale.utils.io import file_identity
 
 
 @dataclass
@@ -48,6 +49,7 @@ class _Decoder:
     seeks: int = 0
     decoded: int = 0
     closed: bool = False
+    identity: tuple[int, ...] = ()  # of the file when opened: a replaced file is opened afresh
     # One converter per decoder: ``frame.to_ndarray(format=...)`` builds a new swscale context for every frame,
     # which costs ~0.45 ms at 224², as much as decoding the frame; reused it costs ~0.05 ms.
     reformatter: VideoReformatter = field(default_factory=VideoReformatter)
@@ -89,12 +91,19 @@ class DecoderPool:
 
     def _get(self, path: Path) -> _Decoder:
         self._check_fork()
+        try:
+            identity = file_identity(path)
+        except OSError:
+            identity = ()  # opening it reports the problem
         with self._lock:
             dec = self._open.get(path)
-            if dec is not None:
+            if dec is not None and dec.identity == identity:
                 self._open.move_to_end(path)
                 return dec
+        if dec is not None:  # the file was replaced (repaired, re-encoded) since it was opened
+            self._drop(path)
         dec = _open(path, self.threads_per_decoder)
+        dec.identity = identity
         with self._lock:
             self.opened += 1
             raced = self._open.get(path)

@@ -925,6 +925,23 @@ class StreamingLoader:
 # --------------------------------------------------------------------------------------------------- builder
 
 
+def check_sources(sources: Sequence[FrameSource], names: Sequence[str], *, skip_bad_episodes: bool
+                  ) -> list[tuple[str, int, str]]:
+    """Each source's cheap up-front checks (``FrameSource.unreadable_episodes``): raise for problems no skip avoids,
+    for unreadable episodes unless ``skip_bad_episodes``, and when skipping would leave a source empty; returns
+    the (source name, episode, why) to exclude."""
+    from roboscale.data.validate import readable_or_raise
+
+    excluded = []
+    for source, name in zip(sources, names, strict=True):
+        bad = source.unreadable_episodes()
+        readable_or_raise(name, bad, len(source.episode_ids), skip_bad_episodes=skip_bad_episodes)
+        if bad:
+            log.warning("%s: skipping %d unreadable episodes (%s)", name, len(bad), sorted(bad)[:10])
+        excluded += [(name, int(ep), why) for ep, why in bad.items()]
+    return excluded
+
+
 def build_loader(
     source: Any,
     *,
@@ -994,21 +1011,11 @@ def build_loader(
     space = _Sources.build(sources, names)
 
     lengths = space.lengths.copy()
-    excluded: list[tuple[str, int, str]] = []
-    if check:
-        from roboscale.data.validate import readable_or_raise
-
-        for i, (s, n) in enumerate(zip(sources, names, strict=True)):
-            bad = s.unreadable_episodes()
-            readable_or_raise(n, bad, len(s.episode_ids), skip_bad_episodes=skip_bad_episodes)
-            if not bad:
-                continue
-            mine = np.flatnonzero(space.source_of == i)
-            position = {int(ep): k for k, ep in enumerate(np.asarray(s.episode_ids).tolist())}
-            for ep, why in bad.items():
-                lengths[mine[position[ep]]] = 0
-                excluded.append((n, int(ep), why))
-            log.warning("%s: skipping %d unreadable episodes (%s)", n, len(bad), sorted(bad)[:10])
+    excluded = check_sources(sources, names, skip_bad_episodes=skip_bad_episodes) if check else []
+    for name, ep, _ in excluded:
+        i = names.index(name)
+        mine = np.flatnonzero(space.source_of == i)
+        lengths[mine[int(np.flatnonzero(np.asarray(sources[i].episode_ids) == ep)[0])]] = 0
     frames = np.array([lengths[space.source_of == i].sum() for i in range(len(sources))], dtype=np.int64)
     weights = [w for _, w in opened]
     if all(w is None for w in weights):

@@ -25,6 +25,7 @@ import av
 import numpy as np
 
 from roboscale.errors import DatasetError
+from roboscale.utils.io import file_identity
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ def decode_png(data: bytes, channels: int = 3, source: str | Path = "<png>") -> 
 class _OpenVideo:
     container: av.container.InputContainer
     stream: av.VideoStream
+    identity: tuple[int, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -187,12 +189,16 @@ class _VideoCache:
 
     def get(self, path: Path) -> _OpenVideo:
         key = str(path)
+        identity = _identity(path)
         with self._lock:
             item = self._items.get(key)
-            if item is not None:
+            if item is not None and item.identity == identity:
                 self._items.move_to_end(key)
                 return item
+        if item is not None:  # the file was replaced (repaired, re-encoded) since it was opened
+            self.evict(path)
         item = _open_video(path)
+        item.identity = identity
         with self._lock:
             raced = self._items.get(key)
             if raced is not None:  # another thread opened it meanwhile: keep one
@@ -236,6 +242,13 @@ def open_video_stream(path: Path) -> tuple[av.container.InputContainer, av.Video
         container.close()
         raise DatasetError(path, "file has no video stream")
     return container, container.streams.video[0]
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    try:
+        return file_identity(path)
+    except OSError:
+        return ()  # opening it reports the problem
 
 
 def _open_video(path: Path) -> _OpenVideo:

@@ -285,7 +285,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
 def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progress: bool) -> Path:
     from tqdm import tqdm
 
-    from roboscale.data.loader import build_loader, source_meta
+    from roboscale.data.loader import build_loader, check_sources, source_meta
     from roboscale.data.source import open_source
     from roboscale.models.registry import build_policy, fit_to_dataset
     from roboscale.train.checkpoint import (
@@ -316,6 +316,7 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
     except TypeError as e:  # a source type without episode selection (a lake)
         raise ConfigError(f"--dataset.episodes works with raw LeRobot v3.0 datasets only: {e}") from None
     names = [str(path) for path, _ in entries]
+    check_sources(sources, names, skip_bad_episodes=data.skip_bad_episodes)  # never build on data we would refuse
     meta = source_meta(sources, names)
     if resume_from is not None:
         from roboscale.models.policy import Policy

@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Any
 
 
+def file_identity(path: str | Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime): changes when a file is replaced or rewritten, so a cache of open files can
+    tell a repaired file from the one it opened (raises OSError when the file is gone)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def fsync_dir(path: str | Path) -> None:
     """Persist a rename/creation inside ``path`` (POSIX needs the directory itself fsynced)."""
     fd = os.open(path, os.O_RDONLY)

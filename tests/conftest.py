@@ -12,6 +12,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(2)
 
+TASKS = ["Rotate the faucet clockwise", "Open a drawer"]
+
 
 # The small dataset of tests/data/conftest.py (5 episodes, rotating files, cameras of two sizes), shared by the
 # data and fault-injection tests: built once per session, damaged only in copies.
@@ -27,3 +29,37 @@ def small_copy(small_root: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "dataset"
     shutil.copytree(small_root, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A synthetic MetaWorld-shaped dataset (2 cameras at 32², 4 episodes): actions depend on the task and the
+    image, so a policy can lower its loss on it."""
+    import numpy as np
+
+    from roboscale.data import DatasetWriter
+    from roboscale.sim.experts import dataset_features
+
+    root = tmp_path_factory.mktemp("data") / "tiny"
+    writer = DatasetWriter.create(root, fps=80, features=dataset_features(32, {"corner2": "", "wrist": ""}),
+                                  robot_type="sawyer")
+    rng = np.random.default_rng(0)
+    for ep in range(4):
+        n = 30
+        t = np.arange(n, dtype=np.float32)
+        sign = 1.0 if ep % 2 == 0 else -1.0
+        img = np.full((n, 32, 32, 3), 40, np.uint8)
+        img[:, 8 + ep * 4 : 12 + ep * 4, 8:12] = 220
+        frames = {
+            "observation.images.corner2": img,
+            "observation.images.wrist": img[:, ::-1].copy(),
+            "observation.state": np.stack([t / n, -t / n, t * 0, t * 0 + sign], 1).astype(np.float32),
+            "observation.environment_state": rng.normal(size=(n, 39)).astype(np.float32),
+            "action": np.stack([np.sin(t / 5) * sign, np.cos(t / 5), t / n, t * 0 + sign], 1).astype(np.float32),
+            "action.executed": np.zeros((n, 4), np.float32),
+            "next.reward": np.zeros(n, np.float32),
+            "next.success": np.arange(n) == n - 1,
+        }
+        writer.add_episode(frames, task=TASKS[ep % 2])
+    writer.finalize()
+    return root

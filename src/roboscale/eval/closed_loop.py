@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roboscale.errors import CheckpointError
+from roboscale.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +39,41 @@ class EvalConfig:
     output_dir: str = ""
     """Report directory (default: <checkpoint>/../eval, or outputs/eval)."""
 
+    def __post_init__(self) -> None:
+        for name in ("episodes", "max_steps", "workers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+        if self.videos_per_task < 0:
+            raise ConfigError(f"--videos_per_task must be >= 0, got {self.videos_per_task}")
+
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept pretrained_model dirs, step dirs and training output dirs."""
     path = Path(path)
     for candidate in (path, path / "pretrained_model", path / "checkpoints" / "last" / "pretrained_model"):
-        if (candidate / "config.json").is_file():
+        # a pretrained_model directory is the checkpoint even when damaged: loading it names the missing file
+        if (candidate / "config.json").is_file() or (candidate.name == "pretrained_model" and candidate.is_dir()):
             return candidate.resolve()
+    last = path / "checkpoints" / "last"
+    if last.is_symlink() and not last.exists():
+        raise CheckpointError(last, f"points to {os.readlink(last)}, which does not exist; pass a checkpoint "
+                                    "directory (checkpoints/<step>) instead")
     raise CheckpointError(path, "no policy checkpoint here (expected config.json + model.safetensors)")
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     from roboscale.eval.report import write_report
     from roboscale.eval.rollout import RolloutJob, run_rollouts
-    from roboscale.models.policy import read_policy_config
+    from roboscale.models.policy import Policy, read_policy_config
     from roboscale.sim.experts import episode_seed
     from roboscale.sim.metaworld import CAMERA_ALIASES, resolve_tasks
 
-    if not cfg.checkpoint:
-        raise CheckpointError(".", "--checkpoint is required")
-    checkpoint = resolve_checkpoint(cfg.checkpoint)
-    policy_cfg = read_policy_config(checkpoint)
     tasks = resolve_tasks(cfg.tasks)
+    if not cfg.checkpoint:
+        raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or pretrained_model)")
+    checkpoint = resolve_checkpoint(cfg.checkpoint)
+    Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
+    policy_cfg = read_policy_config(checkpoint)
     instructions = {resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
     names = [k.removeprefix("observation.images.") for k in policy_cfg.get("image_keys", [])]

@@ -172,7 +172,7 @@ def read_policy_config(directory: Path) -> dict:
         raise CheckpointError(path, "missing; a policy checkpoint needs config.json and model.safetensors")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSON or UTF-8 decoding
         raise CheckpointError(path, f"not valid JSON ({exc})") from None
     if not isinstance(data, dict) or "type" not in data:
         raise CheckpointError(path, "has no 'type' field naming the policy (e.g. \"type\": \"pi05\")")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from roboscale.config import to_dict
@@ -75,6 +76,26 @@ def save_checkpoint(
 ) -> Path:
     checkpoints = Path(output_dir) / "checkpoints"
     target = checkpoints / step_name(step)
+    try:
+        _write_step(target, policy, optimizer, scheduler, loader_state, train_config)
+    except (OSError, SafetensorError) as exc:  # a full disk, a quota, a vanished mount: nothing half-written stays
+        previous = last_checkpoint(output_dir)
+        kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(target, f"cannot write the checkpoint ({_os_reason(exc)}); {kept}") from None
+    _point_last(checkpoints, target.name)
+    return target
+
+
+def _os_reason(exc: Exception) -> str:
+    """'No space left on device', also from safetensors, which reports I/O errors as '... (os error 28)'."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    code = re.search(r"\(os error (\d+)\)", str(exc))
+    return os.strerror(int(code.group(1))) if code else str(exc)
+
+
+def _write_step(target: Path, policy, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, loader_state: dict, train_config: Any) -> None:
     with atomic_directory(target, overwrite=True) as tmp:
         pretrained = tmp / PRETRAINED
         policy.save_pretrained(pretrained)
@@ -87,9 +108,7 @@ def save_checkpoint(
         (state_dir / "scheduler_state.json").write_text(json.dumps(scheduler.state_dict(), indent=4))
         save_file({"torch": torch.get_rng_state()}, str(state_dir / "rng_state.safetensors"))
         (state_dir / "loader_state.json").write_text(json.dumps(loader_state, indent=4))
-        (state_dir / "training_step.json").write_text(json.dumps({"step": step}, indent=4))
-    _point_last(checkpoints, target.name)
-    return target
+        (state_dir / "training_step.json").write_text(json.dumps({"step": int(target.name)}, indent=4))
 
 
 def _point_last(checkpoints: Path, name: str) -> None:
@@ -152,7 +171,7 @@ def saved_train_config(checkpoint: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(path, "missing; cannot resume from this checkpoint") from None
+        raise CheckpointError(path, "missing") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(path, f"not readable JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -168,28 +187,35 @@ def last_checkpoint(output_dir: Path) -> Path | None:
 def load_training_state(
     checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
 ) -> tuple[int, dict]:
-    """Restore optimizer, scheduler and RNG; return (step, loader state). Weights are loaded by the caller."""
+    """Restore optimizer, scheduler and RNG; return (step, loader state). Weights are loaded by the caller. A
+    missing or damaged file is a CheckpointError naming it."""
     state_dir = checkpoint / TRAINING_STATE
-    needed = [
-        "training_step.json",
-        "optimizer_state.safetensors",
-        "optimizer_param_groups.json",
-        "scheduler_state.json",
-        "rng_state.safetensors",
-        "loader_state.json",
-    ]
-    for name in needed:
-        if not (state_dir / name).is_file():
-            raise CheckpointError(state_dir / name, "missing; cannot resume from this checkpoint")
+    tensors = _read(state_dir / "optimizer_state.safetensors", lambda p: load_file(str(p)))
+    groups = _read(state_dir / "optimizer_param_groups.json", _json)
+    scheduler_state = _read(state_dir / "scheduler_state.json", _json)
+    rng = _read(state_dir / "rng_state.safetensors", lambda p: load_file(str(p))["torch"])
+    step = _read(state_dir / "training_step.json", lambda p: int(_json(p)["step"]))
+    loader_state = _read(state_dir / "loader_state.json", _json)
     try:
-        _load_optimizer(
-            optimizer,
-            load_file(str(state_dir / "optimizer_state.safetensors")),
-            json.loads((state_dir / "optimizer_param_groups.json").read_text()),
-        )
-    except (ValueError, KeyError, RuntimeError) as exc:
+        _load_optimizer(optimizer, tensors, groups)
+    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
         raise CheckpointError(state_dir, f"optimizer state does not fit this model ({exc})") from None
-    scheduler.load_state_dict(json.loads((state_dir / "scheduler_state.json").read_text()))
-    torch.set_rng_state(load_file(str(state_dir / "rng_state.safetensors"))["torch"])
-    step = int(json.loads((state_dir / "training_step.json").read_text())["step"])
-    return step, json.loads((state_dir / "loader_state.json").read_text())
+    try:
+        scheduler.load_state_dict(scheduler_state)
+        torch.set_rng_state(rng)
+    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+        raise CheckpointError(state_dir, f"scheduler or RNG state is damaged ({exc})") from None
+    return step, loader_state
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _read(path: Path, load: Any) -> Any:
+    if not path.is_file():
+        raise CheckpointError(path, "missing")
+    try:
+        return load(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors, JSON, a missing key: all mean a damaged file
+        raise CheckpointError(path, f"damaged ({type(exc).__name__}: {exc})") from None

@@ -15,6 +15,8 @@ import math
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from roboscale.config import ConfigError, save_yaml, to_dict
+from roboscale.errors import CheckpointError
 import roboscale.models.registry  # noqa: F401  (registers every policy type for --policy.type)
 from roboscale.models.pi05 import Pi05Config
 from roboscale.models.policy import PolicyConfig
@@ -179,7 +182,8 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     if not cfg.resume:
         return cfg
     checkpoint = _resume_checkpoint(Path(cfg.output_dir))
-    saved = from_dict(TrainConfig, saved_train_config(checkpoint), where=str(checkpoint))
+    with resuming(checkpoint):
+        saved = from_dict(TrainConfig, saved_train_config(checkpoint), where=str(checkpoint))
     return parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
 
 
@@ -188,8 +192,35 @@ def _resume_checkpoint(output_dir: Path) -> Path:
 
     checkpoint = last_checkpoint(output_dir)
     if checkpoint is None:
+        last = output_dir / "checkpoints" / "last"
+        if last.is_symlink():
+            raise CheckpointError(last, f"points to {os.readlink(last)}, which does not exist{_earlier_hint(last)}")
         raise ConfigError(f"--resume: no checkpoint under {output_dir / 'checkpoints'} to resume from")
     return checkpoint
+
+
+@contextmanager
+def resuming(checkpoint: Path) -> Iterator[None]:
+    """A damaged checkpoint is an error that names the file and how to resume from an earlier one instead."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(e.path, f"{_message(e)}; cannot resume from it{_earlier_hint(checkpoint)}") from None
+
+
+def _message(err: CheckpointError) -> str:
+    return str(err).removeprefix(f"{err.path}: ")
+
+
+def _earlier_hint(checkpoint: Path) -> str:
+    from roboscale.train.checkpoint import step_directories
+
+    checkpoints = checkpoint.parent
+    current = checkpoint.resolve().name if checkpoint.exists() else os.readlink(checkpoint)
+    earlier = [p.name for p in step_directories(checkpoints) if p.name < current]
+    if not earlier:
+        return ""
+    return f" (to resume from the previous checkpoint: ln -sfn {earlier[-1]} {checkpoints / 'last'})"
 
 
 def prepare_output_dir(output_dir: Path) -> None:
@@ -299,7 +330,9 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
     from roboscale.train.telemetry import Telemetry
 
     if resume_from is not None:
-        conflicts = resume_conflicts(saved_train_config(resume_from), cfg)
+        with resuming(resume_from):
+            saved = saved_train_config(resume_from)
+        conflicts = resume_conflicts(saved, cfg)
         if conflicts:
             raise ConfigError(f"--resume: {len(conflicts)} options differ from the checkpoint's "
                               f"({resume_from / PRETRAINED / 'train_config.json'}): {'; '.join(conflicts)}. A resumed "
@@ -321,7 +354,8 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
     if resume_from is not None:
         from roboscale.models.policy import Policy
 
-        policy = Policy.from_pretrained(resume_from / PRETRAINED)
+        with resuming(resume_from):
+            policy = Policy.from_pretrained(resume_from / PRETRAINED)
         cfg.policy = policy.config
         try:
             fit_to_dataset(cfg.policy, meta)  # the data may have changed since the checkpoint was written
@@ -364,8 +398,13 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
     scheduler = make_scheduler(optimizer, cfg.optimizer, cfg.steps)
     step = 0
     if resume_from is not None:
-        step, loader_state = load_training_state(resume_from, optimizer, scheduler)
-        loader.load_state_dict(loader_state)
+        with resuming(resume_from):
+            step, loader_state = load_training_state(resume_from, optimizer, scheduler)
+            try:
+                loader.load_state_dict(loader_state)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(resume_from / "training_state" / "loader_state.json",
+                                      f"does not fit this data loader ({type(e).__name__}: {e})") from None
         log.info("resumed from %s at step %d", resume_from, step)
     save_yaml(cfg, output_dir / "train_config.yaml")
 

@@ -33,6 +33,10 @@ def small_copy(small_root: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory):
+    return write_tiny_dataset(tmp_path_factory.mktemp("data") / "tiny")
+
+
+def write_tiny_dataset(root: Path) -> Path:
     """A synthetic MetaWorld-shaped dataset (2 cameras at 32², 4 episodes): actions depend on the task and the
     image, so a policy can lower its loss on it."""
     import numpy as np
@@ -40,7 +44,6 @@ def tiny_dataset(tmp_path_factory):
     from roboscale.data import DatasetWriter
     from roboscale.sim.experts import dataset_features
 
-    root = tmp_path_factory.mktemp("data") / "tiny"
     writer = DatasetWriter.create(root, fps=80, features=dataset_features(32, {"corner2": "", "wrist": ""}),
                                   robot_type="sawyer")
     rng = np.random.default_rng(0)

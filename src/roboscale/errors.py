@@ -85,6 +85,6 @@ def from_record(record: dict[str, Any]) -> RoboscaleError:
     err = cls.__new__(cls)
     Exception.__init__(err, record["message"])  # already formatted: keep it as it was
     for name in _ATTRIBUTES:
-        if name in record:
-            setattr(err, name, Path(record[name]) if name == "path" else record[name])
+        value = record.get(name)
+        setattr(err, name, Path(value) if name == "path" and value is not None else value)
     return err

@@ -278,7 +278,8 @@ class _FailingSource(RawSource):
 def test_bad_episodes_fail_loudly_or_are_skipped_and_counted(small_root):
     strict = build_loader(_FailingSource(small_root), batch_size=4, num_workers=2, keys=["action"], seed=0,
                           block_samples=48, chunk_frames=4)
-    with pytest.raises(DatasetError, match=r"x.mp4: episode 2: cannot decode video$") as failure:
+    with pytest.raises(DatasetError, match=r"x.mp4: episode 2: cannot decode video \(to train on the other "
+                                          r"episodes, skip unreadable ones: --skip-bad-episodes") as failure:
         next(strict)  # raised in the worker, re-raised here as it was
     assert failure.value.episode == 2
     loader = build_loader(_FailingSource(small_root), batch_size=4, num_workers=2, keys=["action"], seed=0,

@@ -232,7 +232,7 @@ def test_cli_validate(small_copy: Path, capsys: pytest.CaptureFixture[str]) -> N
     out, err = capsys.readouterr()
     lines = out.strip().splitlines()
     assert any(line.startswith(f"{ts_path}: episode 1: field 'timestamp':") for line in lines), out
-    assert any(line.startswith(f"{small_copy / DATA_OF[3]}: episodes 3:") for line in lines), out
+    assert any(line.startswith(f"{small_copy / DATA_OF[3]}: episode 3:") for line in lines), out
     assert "2 problems" in err and "Traceback" not in err
     assert main(["data", "validate", "--quick", str(small_copy)]) == 1
 

@@ -105,3 +105,13 @@ def _assert_right_frames(damage: Damage, outcome: Outcome, pristine: Path) -> No
         assert set(outcome.frames) == set(good)
         for ep, frames in good.items():
             assert set(outcome.frames[ep]) == set(frames)
+
+
+def test_the_reliability_page_records_every_damage() -> None:
+    """docs/reliability.md pastes the output of `python -m tests.faults.report`: a damage added here and not
+    recorded there (or renamed) fails until the page is regenerated."""
+    from .test_checkpoint_faults import DAMAGES as CHECKPOINT_DAMAGES
+
+    page = (Path(__file__).parents[2] / "docs" / "reliability.md").read_text()
+    missing = [d.name for d in [*DAMAGES, *CHECKPOINT_DAMAGES] if f"**{d.name}**: {d.what}" not in page]
+    assert not missing, f"regenerate docs/reliability.md (python -m tests.faults.report): {missing}"

@@ -260,3 +260,22 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused_before_training(ti
     # /proc refuses new directories to every user, root included (a chmod would not stop root)
     with pytest.raises(ConfigError, match=r"--output_dir /proc/roboscale/run: cannot write there"):
         train(tiny_train_config(tiny_dataset, "/proc/roboscale/run", steps=1), progress=False)
+
+
+def test_a_second_training_into_the_same_output_dir_is_refused(tiny_dataset, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom roboscale.utils.io "
+                               "import exclusive_lock\nwith exclusive_lock(Path(sys.argv[1]), RuntimeError):\n"
+                               "    print('locked', flush=True); sys.stdin.read()", str(out / ".train.lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"--output_dir {out}: another training \(pid {holder.pid} on "):
+            train(tiny_train_config(tiny_dataset, out, steps=1), progress=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    train(tiny_train_config(tiny_dataset, out, steps=1), progress=False)  # the kernel dropped the dead one's lock

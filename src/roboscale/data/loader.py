@@ -838,7 +838,12 @@ class StreamingLoader:
                 raise LoaderError(f"data loader failed{where}: {why}") from e
             if isinstance(batch, _Failure):
                 self.close()
-                raise batch.error()
+                error = batch.error()
+                if isinstance(error, DatasetError) and not self._dataset.skip_bad:
+                    raise DatasetError(error.path, f"{fmt.error_message(error)} (to train on the other episodes, "
+                                       "skip unreadable ones: --skip-bad-episodes, skip_bad_episodes=True)",
+                                       field=error.field, episode=error.episode)
+                raise error
             if isinstance(batch, _InArena):
                 batch = self._arena.take(batch, self.pin_memory)
                 self.arena_batches += 1

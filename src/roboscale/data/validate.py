@@ -105,7 +105,8 @@ class Problem:
         if self.episode is not None:
             where.append(f"episode {self.episode}")
         elif self.episodes:
-            where.append(f"episodes {_ranges(self.episodes)}")
+            where.append(f"episode {self.episodes[0]}" if len(self.episodes) == 1 else
+                         f"episodes {_ranges(self.episodes)}")
         if self.field is not None:
             where.append(f"field {self.field!r}")
         return ": ".join(where) + f": {self.message}"

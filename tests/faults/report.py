@@ -37,25 +37,36 @@ def _line(outcome: Outcome, *paths: Path) -> str:
     return text.removeprefix("error: ")
 
 
-def dataset_matrix(work: Path) -> list[str]:
-    pristine = write_small_dataset(work / "pristine")
-    entries = list(ENTRY_POINTS)
-    rows = ["| damage | " + " | ".join(entries) + " |", "|---|" + "---|" * len(entries)]
+def _matrix(work: Path, damages: list, entry_points: dict, make_case, header: str, quoted: str,
+            placeholder: str) -> list[str]:
+    """Rows of damage x entry point outcomes, then what ``quoted`` said for each damage. ``make_case(dir, damage)``
+    returns the damaged copy to hand to the entry points."""
+    entries = list(entry_points)
+    rows = [f"| {header} | " + " | ".join(entries) + " |", "|---|" + "---|" * len(entries)]
     messages = []
-    for damage in DAMAGES:
+    for damage in damages:
         cells = []
         for entry in entries:
             case = work / f"{damage.name}-{len(cells)}"
-            root = case / "dataset"
-            shutil.copytree(pristine, root)
-            damage.apply(root)
-            outcome = ENTRY_POINTS[entry](root, case)
+            target = make_case(case, damage)
+            outcome = entry_points[entry](target, case)
             cells.append(_cell(outcome))
-            if entry == "train" and outcome.kind == "error":
-                messages.append(f"- **{damage.name}**: `{_line(outcome, (root, 'DATASET'))}`")
+            if entry == quoted and outcome.kind == "error":
+                messages.append(f"- **{damage.name}**: `{_line(outcome, (target, placeholder))}`")
             shutil.rmtree(case)
         rows.append(f"| **{damage.name}**: {damage.what} | " + " | ".join(cells) + " |")
-    return [*rows, "", "What `roboscale train` says for each (the dataset's path shown as DATASET):", "", *messages]
+    return [*rows, "", f"What `roboscale {quoted}` says for each (the path shown as {placeholder}):", "", *messages]
+
+
+def dataset_matrix(work: Path) -> list[str]:
+    pristine = write_small_dataset(work / "pristine")
+
+    def make_case(case: Path, damage) -> Path:
+        shutil.copytree(pristine, case / "dataset")
+        damage.apply(case / "dataset")
+        return case / "dataset"
+
+    return _matrix(work, DAMAGES, ENTRY_POINTS, make_case, "damage", "train", "DATASET")
 
 
 def checkpoint_matrix(work: Path) -> list[str]:
@@ -66,23 +77,14 @@ def checkpoint_matrix(work: Path) -> list[str]:
     outcome = run_cli("train", f"--dataset.root={data}", f"--output_dir={run}", "--steps=2", "--save_freq=1",
                       "--batch_size=4", *TINY_PI05)
     assert outcome.kind == "ok", outcome.message
-    entries = list(CHECKPOINT_ENTRY_POINTS)
-    rows = ["| damage (to checkpoint " + STEP + ") | " + " | ".join(entries) + " |", "|---|" + "---|" * len(entries)]
-    messages = []
-    for damage in CHECKPOINT_DAMAGES:
-        cells = []
-        for entry in entries:
-            case = work / f"ckpt-{damage.name}-{len(cells)}"
-            copy = case / "run"
-            shutil.copytree(run, copy, symlinks=True)
-            damage.apply(copy / "checkpoints" / STEP)
-            outcome = CHECKPOINT_ENTRY_POINTS[entry](copy, case)
-            cells.append(_cell(outcome))
-            if entry == "train --resume" and outcome.kind == "error":
-                messages.append(f"- **{damage.name}**: `{_line(outcome, (copy, 'RUN'))}`")
-            shutil.rmtree(case)
-        rows.append(f"| **{damage.name}**: {damage.what} | " + " | ".join(cells) + " |")
-    return [*rows, "", "What `roboscale train --resume` says for each (the run's path shown as RUN):", "", *messages]
+
+    def make_case(case: Path, damage) -> Path:
+        shutil.copytree(run, case / "run", symlinks=True)
+        damage.apply(case / "run" / "checkpoints" / STEP)
+        return case / "run"
+
+    return _matrix(work, CHECKPOINT_DAMAGES, CHECKPOINT_ENTRY_POINTS, make_case, f"damage (to checkpoint {STEP})",
+                   "train --resume", "RUN")
 
 
 def main() -> None:

@@ -190,6 +190,12 @@ def test_resume_refuses_options_that_contradict_the_checkpoint_and_honours_the_r
     assert final.parent.name == "000004"
     # a Python caller's config leaves dataset-derived policy fields at 0 / empty: those are not changes
     train(tiny_train_config(tiny_dataset, out, steps=5, resume=True), progress=False)
+    # a checkpoint written before an option existed resumes with that option's default
+    saved = out / "checkpoints" / "last" / "pretrained_model" / "train_config.json"
+    older = json.loads(saved.read_text())
+    del older["checkpoint"], older["policy"]["pack_token_budget"]
+    saved.write_text(json.dumps(older))
+    assert train(parse_train_args([*resume, "--steps=6"]), progress=False).parent.name == "000006"
 
 
 def test_old_checkpoints_are_pruned_but_last_is_kept(tiny_dataset, tmp_path):

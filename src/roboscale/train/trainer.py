@@ -142,27 +142,40 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resume_conflicts(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+def resume_conflicts(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
     """``--option=value (checkpoint: value)`` for every option of ``cfg`` that a resume may not change. Policy
-    fields left to be filled from the dataset (0 / empty) take the checkpoint's value."""
+    fields left to be filled from the dataset (0 / empty) take the checkpoint's value; another policy type is one
+    conflict, not one per option."""
     from roboscale.models.registry import FILLED_AT_BUILD
 
-    old, new = _flatten(saved), _flatten(to_dict(cfg))
+    old, new = _flatten(to_dict(saved)), _flatten(to_dict(cfg))
     for name in FILLED_AT_BUILD:
         key = f"policy.{name}"
         if not new.get(key) and key in old:
             new[key] = old[key]
+    other_type = old["policy.type"] != new["policy.type"]
     conflicts = []
     for key in sorted(set(old) | set(new)):
         if key.startswith(RESUMABLE_CHANGES) or key == "output_dir":
             continue
+        if key.startswith("policy.") and key != "policy.type" and other_type:
+            continue
         if key in old and key in new and _same(old[key], new[key]):
             continue
-        if key not in old and not key.startswith("policy."):
-            continue  # an option this checkpoint predates: its default applies
-        shown = json.dumps(new.get(key, "<absent>"))
-        conflicts.append(f"--{key}={shown} (checkpoint: {json.dumps(old.get(key, '<absent>'))})")
+        conflicts.append(f"--{key}={json.dumps(new.get(key))} (checkpoint: {json.dumps(old.get(key))})")
     return conflicts
+
+
+def saved_config(checkpoint: Path) -> TrainConfig:
+    """The TrainConfig a checkpoint was saved with; options it predates take their defaults."""
+    from roboscale.config import from_dict
+    from roboscale.train.checkpoint import PRETRAINED, TRAIN_CONFIG, saved_train_config
+
+    path = checkpoint / PRETRAINED / TRAIN_CONFIG
+    try:
+        return from_dict(TrainConfig, saved_train_config(checkpoint), where=str(path))
+    except ConfigError as e:
+        raise CheckpointError(path, f"not a training config this roboscale reads ({e})") from None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -175,15 +188,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def parse_train_args(argv: list[str]) -> TrainConfig:
     """``roboscale train`` options; with ``--resume``, the options not given are the checkpoint's own."""
-    from roboscale.config import from_dict, parse
-    from roboscale.train.checkpoint import saved_train_config
+    from roboscale.config import parse
 
     cfg = parse(TrainConfig, argv, prog="roboscale train")
     if not cfg.resume:
         return cfg
     checkpoint = _resume_checkpoint(Path(cfg.output_dir))
     with resuming(checkpoint):
-        saved = from_dict(TrainConfig, saved_train_config(checkpoint), where=str(checkpoint))
+        saved = saved_config(checkpoint)
     return parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
 
 
@@ -217,7 +229,9 @@ def _earlier_hint(checkpoint: Path) -> str:
 
     checkpoints = checkpoint.parent
     current = checkpoint.resolve().name if checkpoint.exists() else os.readlink(checkpoint)
-    earlier = [p.name for p in step_directories(checkpoints) if p.name < current]
+    if not current.isdigit():
+        return ""
+    earlier = [p.name for p in step_directories(checkpoints) if int(p.name) < int(current)]
     if not earlier:
         return ""
     return f" (to resume from the previous checkpoint: ln -sfn {earlier[-1]} {checkpoints / 'last'})"
@@ -325,13 +339,12 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
         load_training_state,
         prune_checkpoints,
         save_checkpoint,
-        saved_train_config,
     )
     from roboscale.train.telemetry import Telemetry
 
     if resume_from is not None:
         with resuming(resume_from):
-            saved = saved_train_config(resume_from)
+            saved = saved_config(resume_from)
         conflicts = resume_conflicts(saved, cfg)
         if conflicts:
             raise ConfigError(f"--resume: {len(conflicts)} options differ from the checkpoint's "

@@ -616,7 +616,7 @@ class _Fetcher:
 
     def __init__(self, iterator: Any):
         self.iterator = iterator
-        self.stuck = False
+        self.busy = False
         self._requests: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="loader-fetch", daemon=True).start()
@@ -632,6 +632,7 @@ class _Fetcher:
         """The next item; after ``timeout_s`` without one, ``on_timeout()`` and ``TimeoutError`` (with the error
         torch raised meanwhile as its cause, if it raised one)."""
         self._requests.put(True)
+        self.busy = True  # until the answer is taken: an interrupted wait leaves the thread inside torch
         try:
             ok, value = self._results.get(timeout=timeout_s)
         except queue.Empty:
@@ -639,9 +640,10 @@ class _Fetcher:
             try:
                 ok, value = self._results.get(timeout=_REPORT_GRACE_S)
             except queue.Empty:
-                self.stuck = True
                 raise TimeoutError from None
+            self.busy = False
             raise TimeoutError from (value if not ok else None)
+        self.busy = False
         if not ok:
             raise value
         return value
@@ -883,8 +885,8 @@ class StreamingLoader:
             fetcher.close()
         if it is not None and hasattr(it, "_shutdown_workers"):
             workers = list(getattr(it, "_workers", []))
-            if fetcher is not None and fetcher.stuck:
-                it._shutdown = True  # its shared locks may be held by a dead worker: never touch them again
+            if fetcher is not None and fetcher.busy:  # stuck in torch (or interrupted while it worked there):
+                it._shutdown = True  # its shared locks may be held by a dead worker; never touch them again
             else:
                 it._shutdown_workers()
             stop_processes(workers, grace_s=1.0)  # torch only sends SIGTERM to a worker that does not exit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import json
 import textwrap
@@ -24,9 +25,10 @@ from roboscale.errors import ConfigError
 
 T = TypeVar("T")
 
-# Base config class -> {type name: subclass}. Filled by ``register``; a field annotated with a base class accepts
-# a ``type`` key that selects the subclass (the draccus ChoiceRegistry pattern, without the dependency).
-_CHOICES: dict[type, dict[str, type]] = {}
+# Base config class -> {type name: subclass, or "module:Class" imported when first chosen}. A field annotated with a
+# base class accepts a ``type`` key that selects the subclass (the draccus ChoiceRegistry pattern, without the
+# dependency). Lazy entries keep start-up from importing every policy.
+_CHOICES: dict[type, dict[str, type | str]] = {}
 
 
 def register(base: type, name: str):
@@ -40,8 +42,23 @@ def register(base: type, name: str):
     return wrap
 
 
+def register_lazy(base: type, name: str, path: str) -> None:
+    """Make the class at ``path`` ("package.module:Class") selectable as ``type: name``; imported when chosen."""
+    _CHOICES.setdefault(base, {})[name] = path
+
+
+def _resolve(base: type, name: str) -> type:
+    entry = _CHOICES[base][name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        entry.type = name
+        _CHOICES[base][name] = entry
+    return entry
+
+
 def choices(base: type) -> dict[str, type]:
-    return dict(_CHOICES.get(base, {}))
+    return {name: _resolve(base, name) for name in _CHOICES.get(base, {})}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -143,9 +160,9 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     if cls in _CHOICES:
         name = data.pop("type", None) or getattr(cls, "type", None)
         options = _CHOICES[cls]
-        if name not in options:
+        if not isinstance(name, str) or name not in options:
             raise ConfigError(f"{where or cls.__name__}.type: {name!r} is not one of {sorted(options)}")
-        cls = options[name]
+        cls = _resolve(cls, name)
     else:
         data.pop("type", None)
     hints = _hints(cls)

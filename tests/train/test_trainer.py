@@ -126,9 +126,9 @@ def test_a_token_budget_trains_on_micro_batches_built_in_the_workers(tiny_datase
     seen = []
     accumulate = trainer.accumulate_gradients
 
-    def spy(policy, batch):
+    def spy(policy, batch, objective):
         seen.append(len(batch) if isinstance(batch, list) else 0)
-        return accumulate(policy, batch)
+        return accumulate(policy, batch, objective)
 
     monkeypatch.setattr(trainer, "accumulate_gradients", spy)
     cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=5)

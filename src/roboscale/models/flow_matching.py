@@ -1,37 +1,98 @@
-"""Flow matching for action chunks (pi0 convention: t=1 is noise, t=0 is data).
+"""Flow matching for action chunks: the one implementation both policies use, and the training objective.
 
-x_t = t * noise + (1 - t) * actions, the model predicts the velocity u = noise - actions, and sampling integrates
-dx/dt = u from t=1 to t=0 with Euler steps.
+A policy states its time convention: ``data_at=0`` is pi0's (t = 1 is noise, t = 0 the actions:
+x_t = t * noise + (1 - t) * actions, velocity noise - actions), ``data_at=1`` GR00T's (t = 0 noise, t = 1 the
+actions: x_t = (1 - t) * noise + t * actions, velocity actions - noise). Each convention keeps its own time
+distribution and Euler schedule exactly as its reference implementation computes them, so a checkpoint trained
+under one samples the same under the other's code path.
+
+The objective (``flow_matching_loss``) is apart from the model: the policy encodes an observation and predicts a
+velocity; sampling noise and time, the target and the loss live here. Another objective (RL) can drive the same
+model through the same two calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-
-def sample_time(batch_size: int, device: torch.device, alpha: float = 1.5, beta: float = 1.0) -> torch.Tensor:
-    """t ~ Beta(alpha, beta) * 0.999 + 0.001; pi0/pi0.5 use Beta(1.5, 1): more weight near the noisy end.
-
-    Draws from torch's global RNG, whose state the trainer checkpoints, so resumed runs continue exactly.
-    """
-    dist = torch.distributions.Beta(torch.tensor(alpha, device=device), torch.tensor(beta, device=device))
-    return dist.sample((batch_size,)) * 0.999 + 0.001
+if TYPE_CHECKING:
+    from roboscale.models.policy import Policy
 
 
-def noisy_actions(actions: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_t, target velocity) for actions/noise [B, T, A] and t [B]."""
-    t = t[:, None, None]
-    return t * noise + (1.0 - t) * actions, noise - actions
+@dataclass(frozen=True)
+class FlowMatching:
+    data_at: int
+    """The time at which x_t is the actions: 0 (pi0, pi0.5) or 1 (GR00T)."""
+    time_alpha: float = 1.5
+    """Training time from Beta(alpha, beta): alpha > 1 puts more samples near pure noise, where the velocity can
+    only come from the observation (pi0.5 and GR00T: 1.5)."""
+    time_beta: float = 1.0
+    noise_s: float = 0.999
+    """GR00T's s in t = (s - u) / s (its time never reaches the noise end exactly)."""
+
+    def __post_init__(self) -> None:
+        if self.data_at not in (0, 1):
+            raise ValueError(f"data_at must be 0 or 1, got {self.data_at}")
+
+    def sample_time(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """Training times [B], drawn on the CPU from torch's global RNG (whose state checkpoints keep, so a resumed
+        run draws the same times)."""
+        u = torch.distributions.Beta(torch.tensor(self.time_alpha), torch.tensor(self.time_beta)).sample((batch_size,))
+        if self.data_at == 0:
+            return (u * 0.999 + 0.001).to(device)  # pi0: t in [0.001, 1], near 1 (noise) likelier
+        return ((self.noise_s - u) / self.noise_s).to(device)  # GR00T: near 0 (noise) likelier
+
+    def interpolate(self, actions: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_t, target velocity dx/dt) for actions/noise [B, T, A] and t [B]."""
+        t = t[:, None, None]
+        if self.data_at == 0:
+            return t * noise + (1.0 - t) * actions, noise - actions
+        return (1 - t) * noise + t * actions, actions - noise
+
+    @torch.no_grad()
+    def sample(self, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
+               steps: int) -> torch.Tensor:
+        """Actions from noise [B, T, A] by ``steps`` Euler steps of ``velocity(x_t, t[B])``."""
+        x = noise
+        b = x.shape[0]
+        if self.data_at == 0:  # from t = 1 down to 0
+            dt = -1.0 / steps
+            for i in range(steps):
+                t = torch.full((b,), 1.0 + i * dt, device=x.device, dtype=x.dtype)
+                x = x + dt * velocity(x, t)
+            return x
+        for i in range(steps):  # from t = 0 up to 1
+            t = torch.full((b,), i / steps, device=x.device)
+            x = x + velocity(x, t) / steps
+        return x
 
 
-@torch.no_grad()
-def euler_sample(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor, steps: int):
-    """Integrate from t=1 (noise) to t=0 (actions) with ``steps`` Euler steps; velocity(x_t, t[B]) -> [B, T, A]."""
-    x = noise
-    dt = -1.0 / steps
-    for i in range(steps):
-        t = torch.full((x.shape[0],), 1.0 + i * dt, device=x.device, dtype=x.dtype)
-        x = x + dt * velocity(x, t)
-    return x
+def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
+    """The training objective: mean squared error of the predicted velocity over the action steps that exist.
+
+    Returns the loss and metrics as tensors (no host sync per micro-batch): ``loss``, ``loss_weight`` (the loss's
+    denominator, so micro-batch losses combine into the whole batch's mean) and the token counts."""
+    encoded = policy.encode(batch)
+    actions = encoded.actions
+    if actions is None:
+        raise ValueError("a training batch needs actions; this one was collated without them")
+    noise = torch.randn_like(actions)
+    flow = policy.flow_matching
+    t = flow.sample_time(actions.shape[0], actions.device)
+    x_t, target = flow.interpolate(actions, noise, t)
+    pred = policy.velocity(encoded, x_t, t)
+    err = (pred - target).pow(2).mean(-1)  # [B, T]
+    if encoded.action_mask is not None:
+        keep = encoded.action_mask.float()
+        weight = keep.sum().clamp_min(1.0)
+        loss = (err * keep).sum() / weight
+    else:
+        weight = torch.tensor(float(err.numel()))
+        loss = err.mean()
+    return loss, {"loss": loss.detach(), "loss_weight": weight.detach(), "tokens": encoded.tokens,
+                  "computed_tokens": encoded.computed_tokens}

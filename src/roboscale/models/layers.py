@@ -21,6 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed * (1.0 + self.weight)
@@ -37,6 +40,9 @@ class AdaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.modulation = nn.Linear(cond_dim, 3 * dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.zeros_(self.modulation.weight)
         nn.init.zeros_(self.modulation.bias)
 
@@ -157,6 +163,9 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.out_dim = dim * pixel_shuffle**2
         self.num_tokens = (self.grid // pixel_shuffle) ** 2
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.pos_embed, std=0.02)
 
     @classmethod
     def from_config(cls, cfg) -> VisionTransformer:

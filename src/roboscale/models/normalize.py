@@ -1,7 +1,12 @@
-"""Normalization of state and actions, with the statistics stored as buffers so they travel with the weights."""
+"""Normalization of state and actions, with the statistics stored as buffers so they travel with the weights.
+
+The buffers are named after the statistics they hold (``mean``/``std``, ``min``/``max``, ``q01``/``q99``), as in
+LeRobot's stats.json. Checkpoints written before that named them ``a``/``b``; ``upgrade_state_dict`` maps them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -16,47 +21,65 @@ class NormMode(str, Enum):
     QUANTILES = "quantiles"  # [q01, q99] -> [-1, 1], pi0.5's default
 
 
-# Stats each mode needs, as (low/centre, high/scale) keys of LeRobot's stats.json.
-_STAT_KEYS = {
+# The two statistics each mode reads, as keys of LeRobot's stats.json (and the names of the buffers).
+STAT_KEYS = {
+    NormMode.IDENTITY: (),
     NormMode.MEAN_STD: ("mean", "std"),
     NormMode.MIN_MAX: ("min", "max"),
     NormMode.QUANTILES: ("q01", "q99"),
 }
+_LEGACY = ("a", "b")  # the buffer names of older checkpoints, in STAT_KEYS order
 
 
 class Normalizer(nn.Module):
-    """Maps one feature to a normalized space and back. Buffers: ``low`` and ``high`` (or mean and std)."""
+    """Maps one feature to a normalized space and back."""
 
     def __init__(self, dim: int, mode: NormMode | str, eps: float = 1e-6):
         super().__init__()
         self.mode = NormMode(mode)
         self.eps = eps
-        self.register_buffer("a", torch.zeros(dim))  # mean or low
-        self.register_buffer("b", torch.ones(dim))  # std or high
+        self.dim = dim
+        for name in STAT_KEYS[self.mode]:
+            self.register_buffer(name, torch.empty(dim))
+        self.reset_parameters()
 
-    def set_stats(self, stats: dict, feature: str = "") -> None:
+    def reset_parameters(self) -> None:
+        """No statistics yet: the identity map's (centre 0 / low 0, spread 1 / high 1)."""
+        for name, fill in zip(STAT_KEYS[self.mode], (0.0, 1.0), strict=False):
+            getattr(self, name).fill_(fill)
+
+    def set_stats(self, stats: Mapping, feature: str = "") -> None:
         """Fill from a LeRobot stats dict ({"mean": [...], "std": [...], "q01": ...})."""
-        if self.mode is NormMode.IDENTITY:
-            return
-        keys = _STAT_KEYS[self.mode]
+        keys = STAT_KEYS[self.mode]
         missing = [k for k in keys if k not in stats]
         if missing:
             raise ValueError(
                 f"normalization mode {self.mode.value!r} of {feature!r} needs stats {missing}; "
                 f"the dataset's stats.json has {sorted(stats)}"
             )
-        self.a.copy_(torch.as_tensor(stats[keys[0]], dtype=torch.float32).reshape(-1))
-        self.b.copy_(torch.as_tensor(stats[keys[1]], dtype=torch.float32).reshape(-1))
+        for key in keys:
+            getattr(self, key).copy_(torch.as_tensor(stats[key], dtype=torch.float32).reshape(-1))
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        return {key: getattr(self, key) for key in STAT_KEYS[self.mode]}
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _normalize(self.mode, self.a, self.b, self.eps, x)
+        return _normalize(self.mode, self.stats(), self.eps, x)
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _unnormalize(self.mode, self.a, self.b, self.eps, x)
+        return _unnormalize(self.mode, self.stats(), self.eps, x)
 
     def snapshot(self) -> NormStats:
         """A plain, picklable CPU copy of the statistics (for data-loader workers)."""
-        return NormStats(self.mode, self.a.detach().cpu().clone(), self.b.detach().cpu().clone(), self.eps)
+        return NormStats(self.mode, {k: v.detach().cpu().clone() for k, v in self.stats().items()}, self.eps)
+
+    def upgrade_keys(self, prefix: str, state: dict[str, torch.Tensor]) -> None:
+        """Rename this normalizer's tensors in an older checkpoint's ``state`` (``prefix.a``/``prefix.b``) in place;
+        an identity normalizer's are dropped (it keeps no statistics)."""
+        for legacy, key in zip(_LEGACY, STAT_KEYS[self.mode] or (None, None), strict=True):
+            value = state.pop(f"{prefix}{legacy}", None)
+            if value is not None and key is not None:
+                state[f"{prefix}{key}"] = value
 
 
 @dataclass
@@ -64,28 +87,29 @@ class NormStats:
     """The statistics of a ``Normalizer`` without the module: what data-loader workers normalize with."""
 
     mode: NormMode
-    a: torch.Tensor
-    b: torch.Tensor
+    stats: dict[str, torch.Tensor]
     eps: float = 1e-6
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _normalize(self.mode, self.a, self.b, self.eps, x)
+        return _normalize(self.mode, self.stats, self.eps, x)
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _unnormalize(self.mode, self.a, self.b, self.eps, x)
+        return _unnormalize(self.mode, self.stats, self.eps, x)
 
 
-def _normalize(mode: NormMode, a: torch.Tensor, b: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+def _normalize(mode: NormMode, stats: Mapping[str, torch.Tensor], eps: float, x: torch.Tensor) -> torch.Tensor:
     if mode is NormMode.IDENTITY:
         return x
     if mode is NormMode.MEAN_STD:
-        return (x - a) / (b + eps)
-    return 2.0 * (x - a) / (b - a).clamp_min(eps) - 1.0
+        return (x - stats["mean"]) / (stats["std"] + eps)
+    low, high = (stats[k] for k in STAT_KEYS[mode])
+    return 2.0 * (x - low) / (high - low).clamp_min(eps) - 1.0
 
 
-def _unnormalize(mode: NormMode, a: torch.Tensor, b: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+def _unnormalize(mode: NormMode, stats: Mapping[str, torch.Tensor], eps: float, x: torch.Tensor) -> torch.Tensor:
     if mode is NormMode.IDENTITY:
         return x
     if mode is NormMode.MEAN_STD:
-        return x * (b + eps) + a
-    return (x + 1.0) * 0.5 * (b - a).clamp_min(eps) + a
+        return x * (stats["std"] + eps) + stats["mean"]
+    low, high = (stats[k] for k in STAT_KEYS[mode])
+    return (x + 1.0) * 0.5 * (high - low).clamp_min(eps) + low

@@ -1,5 +1,21 @@
 """The Policy contract every policy implements, and checkpoint save/load.
 
+A policy is a plain ``nn.Module`` that the engines drive from outside:
+
+- **Build.** ``Policy(config, tokenizer)`` builds every module; its parameters are initialised as they are
+  created. On the meta device nothing is allocated or drawn: ``to_empty(device=...)`` then ``init_weights()``
+  materialises a policy too large to build whole on one device, after sharding (torchtitan's order).
+  ``set_normalization(stats)`` fills the state/action statistics.
+- **Data.** ``delta_indices()`` (the frames it reads per feature), ``data_transforms()`` (the picklable
+  per-sample transform and per-batch collate the loader's workers run, or ``(None, None)``).
+- **Compute.** ``encode(batch)`` turns a batch or an observation into an ``Encoded`` (the observation ready for
+  the action model, and for training batches the normalized actions); ``velocity(encoded, x_t, t)`` predicts the
+  flow velocity of noisy actions in the policy's ``flow_matching`` convention. The training objective
+  (``roboscale.models.flow_matching.flow_matching_loss``) and inference (``predict_action_chunk``) are built on
+  these two calls, so another objective can drive the same model.
+- **Parallelism.** ``parallel_units()`` lists the blocks that FSDP, activation checkpointing and
+  ``torch.compile`` wrap; each unit's ``forward`` is where its work happens, so one all-gather serves it.
+
 A checkpoint directory holds ``config.json`` (the policy config, with ``"type"``), ``model.safetensors`` (weights
 and normalization statistics, as buffers) and, for language-conditioned policies, ``tokenizer.json``. Nothing
 is pickled.
@@ -8,8 +24,8 @@ is pickled.
 from __future__ import annotations
 
 import json
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,6 +34,10 @@ from torch import nn
 
 from roboscale.config import from_dict, to_dict
 from roboscale.errors import CheckpointError, ConfigError
+from roboscale.models.config import PolicyConfig
+from roboscale.models.flow_matching import FlowMatching
+from roboscale.models.normalize import Normalizer
+from roboscale.models.tokenizer import TaskTokenizer
 from roboscale.utils.io import atomic_path, atomic_write_json
 
 CONFIG_NAME = "config.json"
@@ -26,67 +46,91 @@ TOKENIZER_NAME = "tokenizer.json"
 
 
 @dataclass
-class PolicyConfig:
-    """Options every policy has. Subclasses are registered with ``@register(PolicyConfig, "name")``."""
+class Encoded:
+    """What ``Policy.encode`` returns; policies extend it with what their ``velocity`` needs."""
 
-    image_keys: list[str] = field(default_factory=list)
-    """Camera features the policy reads (empty: every camera of the training dataset)."""
-    state_key: str = "observation.state"
-    """Proprioceptive state feature."""
-    action_key: str = "action"
-    """Action feature."""
-    state_dim: int = 0
-    """State size (0: from the dataset)."""
-    action_dim: int = 0
-    """Action size (0: from the dataset)."""
-    image_size: int = 64
-    """Square input resolution; frames of another size are resized on the fly."""
-    chunk_size: int = 16
-    """Actions predicted per inference call."""
-    n_action_steps: int = 4
-    """Actions executed from each predicted chunk before predicting again (the action queue length). Re-planning
-    every 4 of the 16 steps (50 ms at 80 Hz) corrects small contact errors; 8 cost ~10 points of success."""
-    fps: float = 0.0
-    """Dataset frame rate (0: from the dataset); with chunk_size it defines the action window."""
+    batch_size: int
+    actions: torch.Tensor | None
+    """float [B, T, A]: the normalized action chunk of a training batch (None for an observation)."""
+    action_mask: torch.Tensor | None
+    """bool [B, T]: the action steps the loss counts (None: all of them)."""
+    tokens: int
+    """Positions that carry data (images, prompt, actions): what tokens/s counts."""
+    computed_tokens: int
+    """Positions computed over, padding included."""
 
 
 class Policy(nn.Module):
-    """``forward(batch) -> (loss, metrics)``; ``predict_action_chunk(obs) -> [B, T, A]``; ``select_action`` queues."""
+    """See the module docstring for the contract."""
 
-    config_class: ClassVar[type[PolicyConfig]]
     name: ClassVar[str]
+    config: PolicyConfig
+    state_normalizer: Normalizer
+    action_normalizer: Normalizer
+    tokenizer: TaskTokenizer | None
 
-    def __init__(self, config: PolicyConfig):
+    def __init__(self, config: PolicyConfig, tokenizer: TaskTokenizer | None = None):
         super().__init__()
         self.config = config
-        self._action_queue: deque[torch.Tensor] = deque()
+        self.tokenizer = tokenizer
 
-    # --- contract -------------------------------------------------------------------------------------------
-    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        raise NotImplementedError
+    # --- build ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer as a fresh policy (after ``to_empty``): each module's own
+        ``reset_parameters``, children before their parent, so a parent's own rule (a zeroed modulation) wins."""
+        for module in _children_first(self):
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
-    def predict_action_chunk(self, observation: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError
+    def set_normalization(self, stats: Mapping[str, Mapping[str, Any]]) -> None:
+        """State/action statistics from a LeRobot-style stats dict ({feature: {"mean": ..., "q01": ...}})."""
+        for normalizer, key in ((self.state_normalizer, self.config.state_key),
+                                (self.action_normalizer, self.config.action_key)):
+            if key not in stats:
+                raise ConfigError(f"no normalization statistics for {key!r} (stats has {sorted(stats)})")
+            normalizer.set_stats(stats[key], key)
 
+    # --- data -----------------------------------------------------------------------------------------------
     def delta_indices(self) -> dict[str, list[int]]:
         """Frame offsets the policy needs per feature (LeRobot's delta_timestamps, in frames)."""
         return {self.config.action_key: list(range(self.config.chunk_size))}
 
-    def reset(self) -> None:
-        """Call at the start of every episode: drops queued actions."""
-        self._action_queue.clear()
+    def data_transforms(self) -> tuple[Any, Any]:
+        """``(transform, collate)`` the loader's workers run (picklable), or ``(None, None)``."""
+        return None, None
+
+    # --- compute --------------------------------------------------------------------------------------------
+    @property
+    def flow_matching(self) -> FlowMatching:
+        raise NotImplementedError
+
+    def encode(self, batch: Any, *, cache: bool = False) -> Encoded:
+        """A batch (training) or an observation (inference) ready for ``velocity``. ``cache``: keep what every
+        Euler step of one observation shares (pi0.5's prefix keys/values)."""
+        raise NotImplementedError
+
+    def velocity(self, encoded: Encoded, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Predicted dx/dt [B, T, A] of noisy normalized actions x_t at times t [B]."""
+        raise NotImplementedError
+
+    def parallel_units(self) -> list[nn.Module]:
+        """The blocks FSDP / activation checkpointing / torch.compile wrap, in execution order."""
+        raise NotImplementedError
 
     @torch.no_grad()
-    def select_action(self, observation: dict[str, Any]) -> torch.Tensor:
-        """One action per env step [B, A]; a new chunk is predicted only when the queue is empty."""
-        if not self._action_queue:
-            chunk = self.predict_action_chunk(observation)[:, : self.config.n_action_steps]
-            self._action_queue.extend(chunk.transpose(0, 1))
-        return self._action_queue.popleft()
+    def predict_action_chunk(self, observation: Any) -> torch.Tensor:
+        """Actions [B, chunk_size, action_dim] in the dataset's units, from noise by the policy's Euler steps."""
+        encoded = self.encode(observation, cache=True)
+        device = next(self.parameters()).device
+        noise = torch.randn(encoded.batch_size, self.config.chunk_size, self.config.action_dim, device=device)
+        actions = self.flow_matching.sample(lambda x, t: self.velocity(encoded, x, t), noise,
+                                            self.config.num_inference_steps)
+        return self.action_normalizer.unnormalize(actions)
 
     # --- persistence ----------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write config.json + model.safetensors (+ extra files) into ``directory``, each file atomically."""
+        """Write config.json + model.safetensors (+ tokenizer.json) into ``directory``, each file atomically."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -95,44 +139,38 @@ class Policy(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
             save_file(state, str(tmp), metadata={"format": "pt", "type": self.name})
-        self._save_extra(directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save(directory / TOKENIZER_NAME)
         return directory
-
-    def _save_extra(self, directory: Path) -> None:
-        """Hook for files beside the weights (the tokenizer)."""
-
-    def _load_extra(self, directory: Path) -> None:
-        """Hook: read what ``_save_extra`` wrote."""
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **overrides: Any) -> Policy:
-        """Load a policy from a checkpoint directory (``.../pretrained_model``)."""
-        from roboscale.models.registry import POLICIES, get_policy_class
+        """Load a policy from a checkpoint directory (``.../pretrained_model``), ours or (where the registry has
+        an adapter) another framework's."""
+        from roboscale.models.registry import spec_of_checkpoint
 
         directory = Path(directory)
         config_dict = read_policy_config(directory)
-        policy_type = config_dict.get("type")
-        spec = POLICIES.get(policy_type)
-        if spec is not None and spec.foreign_loader is not None and spec.foreign_loader.detect(config_dict):
-            return spec.foreign_loader.load(directory, **overrides)  # e.g. a LeRobot pi0.5 checkpoint
+        spec = spec_of_checkpoint(config_dict, directory / CONFIG_NAME)
+        if spec.foreign is not None and spec.foreign.detect(config_dict):
+            return spec.foreign.load(directory, **overrides)  # e.g. a LeRobot pi0.5 checkpoint
         expected = getattr(cls, "name", None)
-        if expected is not None and policy_type != expected:
-            raise CheckpointError(
-                directory / CONFIG_NAME, f"this checkpoint is a {policy_type!r} policy, not {expected!r}"
-            )
-        policy_cls = get_policy_class(policy_type, directory / CONFIG_NAME)
+        if expected is not None and spec.name != expected:
+            raise CheckpointError(directory / CONFIG_NAME, f"this checkpoint is a {spec.name!r} policy, not "
+                                                           f"{expected!r}")
         config_dict.update(overrides)
         try:
             config = from_dict(PolicyConfig, config_dict, where=str(directory / CONFIG_NAME))
         except ConfigError as exc:
             raise CheckpointError(directory / CONFIG_NAME, str(exc)) from None
-        policy = policy_cls(config)
-        policy._load_extra(directory)
+        tokenizer = TaskTokenizer.from_file(directory / TOKENIZER_NAME) if spec.uses_tokenizer else None
+        policy = spec.policy_class()(config, tokenizer)
         policy.load_weights(directory / WEIGHTS_NAME)
         return policy
 
     def load_weights(self, path: Path) -> None:
-        """Strict load: every tensor present with the shape the config implies, or one error listing the misfits."""
+        """Strict load: every tensor present with the shape the config implies, or one error listing the misfits
+        (and, where the policy knows them, the config fields that set those shapes)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -142,26 +180,43 @@ class Policy(nn.Module):
             state = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(path, f"not a readable safetensors file ({exc})") from None
+        state = self.upgrade_state_dict(state)
         own = self.state_dict()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
-        mismatched = [
-            f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(own[k].shape)}"
-            for k in own
-            if k in state and state[k].shape != own[k].shape
-        ]
-        if missing or unexpected or mismatched:
+        misfits = [k for k in own if k in state and state[k].shape != own[k].shape]
+        if missing or unexpected or misfits:
             parts = []
-            if mismatched:
-                parts.append("shape mismatch: " + "; ".join(mismatched[:5]))
+            if misfits:
+                parts.append("shape mismatch: " + "; ".join(
+                    f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(own[k].shape)}" for k in misfits[:5]))
             if missing:
                 parts.append(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
             if unexpected:
                 parts.append(f"unexpected tensors: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-            raise CheckpointError(
-                path, "weights do not match config.json (" + "; ".join(parts) + "). Was config.json edited?"
-            )
+            fields = self.shape_fields(misfits)
+            hint = (f" The fields of config.json that set those shapes are {fields}; restore the values the "
+                    "checkpoint was trained with." if fields else " Was config.json edited?")
+            raise CheckpointError(path, "weights do not match config.json (" + "; ".join(parts) + ")." + hint)
         self.load_state_dict(state, strict=True)
+
+    def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensor names of older checkpoints -> today's (normalizer statistics were saved as ``a``/``b``)."""
+        state = dict(state)
+        for name, module in self.named_modules():
+            if isinstance(module, Normalizer):
+                module.upgrade_keys(f"{name}.", state)
+        return state
+
+    def shape_fields(self, tensor_names: list[str]) -> list[str]:
+        """Config fields that set the shapes of these tensors (for load errors); [] when the policy does not say."""
+        return []
+
+
+def _children_first(module: nn.Module):
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
 
 
 def read_policy_config(directory: Path) -> dict:

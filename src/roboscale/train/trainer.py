@@ -15,7 +15,7 @@ import math
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +25,7 @@ import torch
 
 from roboscale.config import ConfigError, save_yaml, to_dict
 from roboscale.errors import CheckpointError
-import roboscale.models.registry  # noqa: F401  (registers every policy type for --policy.type)
-from roboscale.models.pi05 import Pi05Config
-from roboscale.models.policy import PolicyConfig
+from roboscale.models.registry import PolicyConfig, default_policy_config
 from roboscale.train.telemetry import COUNTS
 from roboscale.utils.io import exclusive_lock
 
@@ -93,7 +91,7 @@ class TrainConfig:
 
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Which dataset to train on."""
-    policy: PolicyConfig = field(default_factory=Pi05Config)
+    policy: PolicyConfig = field(default_factory=default_policy_config)
     """Policy type and architecture."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
@@ -278,29 +276,26 @@ def loader_workers(requested: int) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def accumulate_gradients(policy: torch.nn.Module, batch: Any) -> dict[str, float]:
+def accumulate_gradients(policy: torch.nn.Module, batch: Any, objective: Callable[..., Any]) -> dict[str, float]:
     """Forward and backward over a batch, or over the micro-batches of one (a list: a token-budgeted collate).
 
     Micro-batches leave the gradients of the whole batch's loss: sum_i w_i loss_i / sum_i w_i, where w_i is the
-    ``loss_weight`` a policy's forward reports (its loss's denominator, e.g. the unpadded action values), so a
-    budget bounds activation memory without changing the update. Returns the step's metrics: the loss as that
-    weighted mean, token counts summed, the rest averaged."""
+    ``loss_weight`` the objective reports (its loss's denominator, e.g. the unpadded action values), so a budget
+    bounds activation memory without changing the update. Returns the step's metrics: the loss as that weighted
+    mean, token counts summed, the rest averaged."""
     if not isinstance(batch, list):
-        loss, metrics = policy(batch)
+        loss, metrics = objective(policy, batch)
         loss.backward()
         metrics.pop("loss_weight", None)
-        return metrics
+        return {k: float(v) for k, v in metrics.items()}
     total_weight, sums = 0.0, defaultdict(float)
     for micro in batch:
-        loss, metrics = policy(micro)
-        weight = metrics.pop("loss_weight", None)
-        if weight is None:
-            raise TypeError(f"{type(policy).__name__}.forward reports no loss_weight, so its micro-batches cannot be "
-                            "combined; collate whole batches for it (no token budget)")
+        loss, metrics = objective(policy, micro)
+        weight = float(metrics.pop("loss_weight"))
         (loss * weight).backward()
         total_weight += weight
         for key, value in metrics.items():
-            sums[key] += value * weight if key == "loss" else value
+            sums[key] += float(value) * weight if key == "loss" else float(value)
     for p in policy.parameters():
         if p.grad is not None:
             p.grad.div_(total_weight)
@@ -332,7 +327,7 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
 
     from roboscale.data.loader import build_loader, check_sources, source_meta
     from roboscale.data.source import open_source
-    from roboscale.models.registry import build_policy, fit_to_dataset
+    from roboscale.models.registry import build_policy, fit_to_dataset, get_spec
     from roboscale.train.checkpoint import (
         PRETRAINED,
         last_checkpoint,
@@ -378,9 +373,10 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
     else:
         policy = build_policy(cfg.policy, meta)
     pc = policy.config
+    objective = get_spec(policy.name).loss()
     # LeRobot's delta_timestamps, from the policy's frame offsets
     delta_timestamps = {key: [i / meta.fps for i in idx] for key, idx in policy.delta_indices().items()}
-    transform, collate = policy.data_transforms() if hasattr(policy, "data_transforms") else (None, None)
+    transform, collate = policy.data_transforms()
     loader = build_loader(
         sources if not data.mixture else list(zip(sources, [w for _, w in entries], strict=True)),
         batch_size=cfg.batch_size,
@@ -430,7 +426,7 @@ def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progres
                 with telemetry.data_wait():
                     batch = next(loader)
                 optimizer.zero_grad(set_to_none=True)
-                metrics = accumulate_gradients(policy, batch)
+                metrics = accumulate_gradients(policy, batch, objective)
                 if cfg.optimizer.grad_clip_norm > 0:
                     metrics["grad_norm"] = float(
                         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optimizer.grad_clip_norm)

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from roboscale.errors import CheckpointError
-from roboscale.models.pi05 import Pi05Config, Pi05Policy
+from roboscale.models.pi05.config import Pi05Config
+from roboscale.models.pi05.modeling import Pi05Policy
 
 VLM = "model.paligemma_with_expert.paligemma.model."
 VISION = VLM + "vision_tower.vision_model."

@@ -7,10 +7,18 @@ Structure (as openpi / LeRobot pi0.5, scaled by config):
 - an action expert (same depth and head layout, narrower) runs over the action tokens *layer by layer jointly*
   with the prefix: in each layer the action tokens attend to the prefix keys/values of that layer and to
   themselves; its norms are adaRMSNorms conditioned on the flow-matching time;
-- flow-matching loss on the action chunk; inference caches the prefix keys/values once and runs only the action
-  expert for each of the Euler steps.
+- flow matching on the action chunk (pi0's convention, t = 1 is noise); inference caches the prefix keys/values
+  once and runs only the action expert for each of the Euler steps.
 
-Batches are ``PackedBatch``es (``roboscale.data.packing``): with ``packing`` on, all samples share one flat token
+Units for FSDP, activation checkpointing and torch.compile: one ``JointLayer`` holds a layer of both towers and
+runs both in its ``forward`` (the prefix pass, then the action pass over that layer's prefix keys/values). The
+action tokens of layer i read only layer i's prefix keys/values, and layer i + 1's prefix reads only layer i's
+prefix, so running the towers layer by layer computes exactly what all-prefix-then-all-actions computes, and one
+all-gather of a layer's weights serves both passes (grouping by tower would gather every layer twice per step).
+At inference the prefix passes run once per observation (``encode(cache=True)``) and each Euler step runs the
+action passes against the cache.
+
+Batches are ``PackedBatch``es (``roboscale.batching``, laid out by ``roboscale.models.pi05.layout``): with ``packing`` on, all samples share one flat token
 stream (no empty camera slots, no language padding) and attention is two segment-aware calls per layer (prefix
 varlen self-attention; actions over [their prefix, themselves]) on the configured backend; with it off, one
 padded row per sample and key-padding masks. ``forward`` also takes LeRobot-style dict batches (collated here).
@@ -23,16 +31,14 @@ and a few thousand frames, digit tokens would have to learn numeracy from scratc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roboscale.config import register
+from roboscale.batching import PackedBatch
 from roboscale.errors import ConfigError
-from roboscale.data.packing import PackCollate, PackedBatch, PrefixSpec, TokenizedSample
 from roboscale.models.attention import (
     BACKENDS,
     PrefixSuffixLayout,
@@ -41,97 +47,15 @@ from roboscale.models.attention import (
     suffix_attention,
     varlen_attention,
 )
-from roboscale.models.flow_matching import euler_sample, noisy_actions, sample_time
-from roboscale.models.layers import (
-    AdaRMSNorm,
-    GatedMLP,
-    RMSNorm,
-    VisionTransformer,
-    rotary_tables,
-    sinusoidal_embedding,
-)
+from roboscale.models.flow_matching import FlowMatching
+from roboscale.models.layers import AdaRMSNorm, GatedMLP, RMSNorm, VisionTransformer, rotary_tables, sinusoidal_embedding
 from roboscale.models.normalize import Normalizer
-from roboscale.models.policy import TOKENIZER_NAME, Policy, PolicyConfig
+from roboscale.models.pi05.config import STATE_INPUTS, Pi05Config
+from roboscale.models.pi05.layout import PackCollate, PrefixSpec
+from roboscale.models.pi05.transform import Pi05Transform
+from roboscale.models.policy import Encoded, Policy
 from roboscale.models.tokenizer import TaskTokenizer
 from roboscale.utils.images import resize_with_pad
-
-
-@register(PolicyConfig, "pi05")
-@dataclass
-class Pi05Config(PolicyConfig):
-    """pi0.5-style policy. Defaults are the CPU-trainable demo size (3.3M parameters, ~230 samples/s on 2 cores)."""
-
-    vit_patch_size: int = 8
-    """ViT patch size in pixels."""
-    vit_dim: int = 64
-    """ViT width."""
-    vit_depth: int = 2
-    """ViT blocks."""
-    vit_heads: int = 2
-    """ViT attention heads."""
-    vit_mlp_dim: int = 0
-    """ViT feed-forward size (0: 4 x vit_dim; SigLIP So400m uses 4304)."""
-    pixel_shuffle: int = 4
-    """Merge r x r neighbouring patch tokens into one before the language model (r^2 fewer prefix tokens; the
-    merged token keeps every feature, so nothing is lost, and the language model can be wider for the same cost)."""
-    vit_conv_stem: bool = True
-    """Embed patches with stride-2 3x3 convolutions instead of one patchify convolution (better at small data)."""
-    width: int = 256
-    """Language model (prefix) width."""
-    depth: int = 3
-    """Layers of the language model and of the action expert (they run jointly, so depth is shared)."""
-    num_heads: int = 4
-    """Query heads (shared by both streams)."""
-    num_kv_heads: int = 1
-    """Key/value heads (1 = multi-query attention, as Gemma 2B)."""
-    head_dim: int = 32
-    """Per-head size (shared by both streams)."""
-    mlp_dim: int = 1024
-    """Language model feed-forward size."""
-    expert_width: int = 128
-    """Action expert width."""
-    expert_mlp_dim: int = 512
-    """Action expert feed-forward size."""
-    state_input: str = "token"
-    """How the state enters the prefix: "token" (one continuous token, the default at CPU scale) or "prompt"
-    (pi0.5's way: the normalized state digitized into 256 bins and written into the prompt as integers)."""
-    max_language_tokens: int = 48
-    """Instruction tokens kept (longer prompts are truncated)."""
-    vocab_size: int = 0
-    """Tokenizer vocabulary size (set from the tokenizer)."""
-    tokenizer_path: str = ""
-    """A tokenizer.json to use instead of training a small BPE on the dataset's task strings."""
-    tokenizer_train_vocab: int = 512
-    """Vocabulary size when training the tokenizer."""
-    time_beta_alpha: float = 1.5
-    """Flow time t ~ Beta(alpha, 1) during training (pi0.5: 1.5). Larger alpha puts more samples near pure noise,
-    where the velocity can only come from the observation, not from the partly denoised actions."""
-    num_inference_steps: int = 10
-    """Euler steps from noise to actions at inference."""
-    state_norm: str = "quantiles"
-    """Normalization of the state: identity, mean_std, min_max or quantiles (q01/q99 -> [-1, 1], pi0.5's)."""
-    action_norm: str = "quantiles"
-    """Normalization of actions (same choices)."""
-    random_shift: int = 0
-    """Training augmentation: random image translation of up to this many pixels (0 disables). Off by default:
-    at 64² an object moves ~4 px per 10 cm, so a 4-pixel shift erases exactly the position signal the policy
-    must learn (measured: the policy then ignores where the button is; see docs/benchmarks.md)."""
-    action_loss_mask: bool = True
-    """Exclude actions past the episode end (``action_is_pad``) from the loss."""
-    attention_backend: str = "auto"
-    """Attention kernel: auto (flash varlen on CUDA in bf16/fp16, else compiled flex, else per-segment SDPA; on CPU
-    SDPA), varlen, flex, sdpa, dense (materialised mask: the numerical reference) or eager (LeRobot's)."""
-    packing: bool = False
-    """Pack each batch into one token stream: empty camera slots are not encoded, language padding is dropped and
-    attention is confined to each sample by cu_seqlens. Off: one padded row per sample (LeRobot's layout) with
-    key-padding masks. Off at demo size, where a sample is ~20 tokens: there is no padding worth removing and
-    per-segment kernels cost Python time on CPU; turn it on for pi0.5-sized inputs (256 tokens per camera)."""
-    pad_language_to: int = 0
-    """Padded layout only: language positions per row (LeRobot pads to 200); 0 = the longest prompt of the batch."""
-    pack_token_budget: int = 0
-    """Packed layout: the most tokens (prefix + actions) one micro-batch may hold. A batch over it is split by
-    best-fit decreasing into micro-batches whose gradients the trainer accumulates (the same update as the whole
-    batch, at bounded activation memory). 0 = one micro-batch per batch."""
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -274,7 +198,18 @@ class JointLayer(nn.Module):
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         return x.unflatten(-1, (heads, self.head_dim))  # [R, L, heads, Dh]
 
-    def prefix_forward(self, h, rope, layout: Pi05Layout):
+    def forward(self, prefix, suffix, cond, prefix_rope, suffix_rope, layout: Pi05Layout, kv=None):
+        """This layer of both towers: prefix [R, L, W] (None when ``kv`` holds its cached keys/values), actions
+        [B, S, We] (None while encoding) -> (next prefix, next actions, this layer's prefix (k, v))."""
+        if kv is None:
+            prefix, k, v = self.prefix_pass(prefix, prefix_rope, layout)
+        else:
+            k, v = kv
+        if suffix is not None:
+            suffix = self.suffix_pass(suffix, cond, suffix_rope, k, v, layout)
+        return prefix, suffix, (k, v)
+
+    def prefix_pass(self, h, rope, layout: Pi05Layout):
         """Prefix stream of this layer: h [R, L, W] -> (next prefix hidden or None, this layer's k, v)."""
         x = self.input_norm(h)
         k = _rotary(self._split(self.k_proj(x), self.kv_heads), *rope)
@@ -287,7 +222,7 @@ class JointLayer(nn.Module):
         h = h + self.mlp(self.post_norm(h))
         return h, k, v
 
-    def suffix_forward(self, h, cond, rope, prefix_k, prefix_v, layout: Pi05Layout):
+    def suffix_pass(self, h, cond, rope, prefix_k, prefix_v, layout: Pi05Layout):
         """Action-expert stream [B, S, We]: attends to this layer's prefix k/v of its sample and to itself."""
         x, gate = self.expert_input_norm(h, cond)
         q = _rotary(self._split(self.expert_q_proj(x), self.heads), *rope)
@@ -299,143 +234,21 @@ class JointLayer(nn.Module):
         return h + gate * self.expert_mlp(x)
 
 
-class Pi05Transform:
-    """Per-sample preprocessing the loader's workers run: normalization (from the policy's statistics) and
-    tokenization -> ``TokenizedSample``. Picklable (plain tensors and a ``tokenizers`` tokenizer).
-
-    Accepts a LeRobot-style sample (one key per camera, ``observation.state``, ``action``, ``action_is_pad``,
-    ``task``; a camera key that is absent, or False in an optional ``image_mask``, is an empty slot) or the design's
-    Sample (``images`` [n_cam, 3, H, W] + ``image_mask``, ``state``, ``actions``, ``actions_is_pad``, ``task`` or
-    ``tokens``).
-    """
-
-    def __init__(self, cfg: Pi05Config, state_normalizer: Normalizer, action_normalizer: Normalizer,
-                 tokenizer: TaskTokenizer | None):
-        self.image_keys = list(cfg.image_keys)
-        self.image_size = cfg.image_size
-        self.state_key, self.action_key = cfg.state_key, cfg.action_key
-        self.max_language_tokens = cfg.max_language_tokens
-        self.state_input = cfg.state_input
-        self.state_normalizer = state_normalizer.snapshot()
-        self.action_normalizer = action_normalizer.snapshot()
-        self.tokenizer = tokenizer
-        self._task_cache: dict[str, torch.Tensor] = {}
-
-    # Tokenizing the same few task strings every step is wasted work; the cache is per process (worker).
-    def _tokens(self, task: str, normalized_state: torch.Tensor) -> torch.Tensor:
-        if self.state_input == "prompt":
-            task = state_prompt(task, normalized_state)
-        elif task in self._task_cache:
-            return self._task_cache[task]
-        if self.tokenizer is None:
-            raise RuntimeError("this policy has no tokenizer; pass pre-tokenized observation.language.tokens")
-        ids = torch.tensor(self.tokenizer.encode(task)[: self.max_language_tokens], dtype=torch.long)
-        if self.state_input != "prompt" and len(self._task_cache) < 4096:
-            self._task_cache[task] = ids
-        return ids
-
-    def _images(self, sample: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        if "images" in sample:
-            images = torch.as_tensor(sample["images"])
-            mask = torch.as_tensor(sample.get("image_mask", torch.ones(images.shape[0], dtype=torch.bool))).bool()
-            return images, mask
-        # cameras may differ in size (a wrist camera smaller than the scene's): fit each before stacking them
-        present = {k: resize_with_pad(torch.as_tensor(sample[k]), self.image_size) for k in self.image_keys
-                   if k in sample}
-        if not present:
-            raise KeyError(f"sample has none of the cameras this policy reads: {self.image_keys}")
-        blank = torch.zeros_like(next(iter(present.values())))
-        images = torch.stack([present.get(k, blank) for k in self.image_keys])
-        mask = torch.tensor([k in sample for k in self.image_keys], dtype=torch.bool)
-        if "image_mask" in sample:
-            mask &= torch.as_tensor(sample["image_mask"]).bool()
-        return images, mask
-
-    def __call__(self, sample: dict[str, Any]) -> TokenizedSample:
-        images, image_mask = self._images(sample)
-        state = torch.as_tensor(sample.get("state", sample.get(self.state_key))).float()
-        state = self.state_normalizer.normalize(state)
-        actions = sample.get("actions", sample.get(self.action_key))
-        is_pad = sample.get("actions_is_pad", sample.get(f"{self.action_key}_is_pad"))
-        if actions is not None:
-            actions = self.action_normalizer.normalize(torch.as_tensor(actions).float())
-            is_pad = torch.zeros(actions.shape[0], dtype=torch.bool) if is_pad is None else torch.as_tensor(is_pad)
-            is_pad = is_pad.bool()
-        if "tokens" in sample:
-            tokens = torch.as_tensor(sample["tokens"]).long()[: self.max_language_tokens]
-        elif "observation.language.tokens" in sample:
-            ids = torch.as_tensor(sample["observation.language.tokens"]).long()
-            mask = torch.as_tensor(sample["observation.language.attention_mask"]).bool()
-            tokens = ids[mask][: self.max_language_tokens]
-        else:
-            tokens = self._tokens(sample["task"], state)
-        return TokenizedSample(
-            images=images,
-            image_mask=image_mask,
-            state=state,
-            tokens=tokens,
-            actions=actions,
-            actions_is_pad=is_pad,
-            episode_index=int(sample.get("episode_index", -1)),
-            frame_index=int(sample.get("frame_index", -1)),
-        )
-
-    def from_batch(self, batch: dict[str, Any]) -> list[TokenizedSample]:
-        """A LeRobot-style *batch* dict (what eval and the in-memory loader give) -> samples. A camera the policy
-        reads that is absent from the whole batch is an error, not an empty slot."""
-        missing = [k for k in self.image_keys if k not in batch]
-        if missing:
-            raise KeyError(
-                f"observation has no {missing[0]!r}; this policy reads cameras {self.image_keys} (a camera missing "
-                "from a whole batch is a configuration error: set policy.image_keys to the cameras the data has)"
-            )
-        state = self.state_normalizer.normalize(torch.as_tensor(batch[self.state_key]).float().cpu())
-        b = state.shape[0]
-        tasks = batch.get("task")
-        tasks = [tasks] * b if isinstance(tasks, str) else tasks
-        # Normalize the whole batch at once, then cut it into samples (views): per-sample calls cost Python time.
-        actions, is_pad = batch.get(self.action_key), batch.get(f"{self.action_key}_is_pad")
-        if actions is not None:
-            actions = self.action_normalizer.normalize(torch.as_tensor(actions).float().cpu())
-            is_pad = torch.zeros(actions.shape[:2], dtype=torch.bool) if is_pad is None else torch.as_tensor(is_pad)
-            is_pad = is_pad.bool().cpu()
-        images = torch.stack([resize_with_pad(torch.as_tensor(batch[k]).cpu(), self.image_size)
-                              for k in self.image_keys], dim=1)
-        image_mask = batch.get("image_mask")
-        if image_mask is None:
-            image_mask = torch.ones(images.shape[:2], dtype=torch.bool)
-        image_mask = torch.as_tensor(image_mask).bool().cpu()
-        if "observation.language.tokens" in batch:
-            ids = torch.as_tensor(batch["observation.language.tokens"]).long().cpu()
-            lang_mask = torch.as_tensor(batch["observation.language.attention_mask"]).bool().cpu()
-            tokens = [ids[i][lang_mask[i]][: self.max_language_tokens] for i in range(b)]
-        else:
-            if tasks is None:
-                raise KeyError("batch has neither 'task' strings nor observation.language.tokens")
-            tokens = [self._tokens(tasks[i], state[i]) for i in range(b)]
-        episode = batch.get("episode_index")
-        frame = batch.get("frame_index")
-        return [
-            TokenizedSample(
-                images=images[i],
-                image_mask=image_mask[i],
-                state=state[i],
-                tokens=tokens[i],
-                actions=None if actions is None else actions[i],
-                actions_is_pad=None if actions is None else is_pad[i],
-                episode_index=int(episode[i]) if isinstance(episode, torch.Tensor) else -1,
-                frame_index=int(frame[i]) if isinstance(frame, torch.Tensor) else -1,
-            )
-            for i in range(b)
-        ]
+@dataclass
+class Pi05Encoded(Encoded):
+    batch: PackedBatch | None = None
+    prefix: torch.Tensor | None = None
+    """[R, L, W] prefix embeddings (before the layers)."""
+    layout: Pi05Layout | None = None
+    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Per layer, the prefix keys/values (inference: computed once per observation)."""
 
 
 class Pi05Policy(Policy):
-    config_class = Pi05Config
     name = "pi05"
 
     def __init__(self, config: Pi05Config, tokenizer: TaskTokenizer | None = None):
-        super().__init__(config)
+        super().__init__(config, tokenizer)
         cfg = config
         if not cfg.image_keys or not cfg.state_dim or not cfg.action_dim or not cfg.vocab_size:
             raise ValueError(
@@ -446,7 +259,6 @@ class Pi05Policy(Policy):
             raise ConfigError(f"policy.state_input: {cfg.state_input!r} is not one of {sorted(STATE_INPUTS)}")
         if cfg.attention_backend not in BACKENDS:
             raise ConfigError(f"policy.attention_backend: {cfg.attention_backend!r} is not one of {list(BACKENDS)}")
-        self.tokenizer = tokenizer
         self.vision = VisionTransformer.from_config(cfg)
         self.projector = nn.Linear(self.vision.out_dim, cfg.width)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
@@ -462,6 +274,13 @@ class Pi05Policy(Policy):
         self.action_out_proj = nn.Linear(ew, cfg.action_dim)
         self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm)
         self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm)
+
+    @property
+    def flow_matching(self) -> FlowMatching:
+        return FlowMatching(data_at=0, time_alpha=self.config.time_beta_alpha)
+
+    def parallel_units(self) -> list[nn.Module]:
+        return [*self.vision.blocks, *self.layers]
 
     def parameter_note(self, total: int) -> str:
         """How our count relates to LeRobot's ``num_learnable_params`` for the same architecture."""
@@ -543,81 +362,59 @@ class Pi05Policy(Policy):
         return self.time_mlp(sinusoidal_embedding(t, self.config.expert_width))
 
     # --- model ----------------------------------------------------------------------------------------------
-    def _prefix_cache(self, tokens: torch.Tensor, layout: Pi05Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        rope = rotary_tables(layout.positions, self.config.head_dim)
-        cache = []
-        h = tokens
-        for layer in self.layers:
-            h, k, v = layer.prefix_forward(h, rope, layout)
-            cache.append((k, v))
-        return cache
+    def encode(self, batch: dict[str, Any] | PackedBatch, *, cache: bool = False) -> Pi05Encoded:
+        batch = self.as_packed_batch(batch)
+        actions = mask = None
+        if batch.actions is not None:
+            if batch.actions.shape[1] != batch.suffix_len:
+                raise ValueError(
+                    f"batch has {batch.actions.shape[1]} actions per sample, the policy predicts chunks of "
+                    f"{batch.suffix_len}; set policy.chunk_size to match the loader's action window"
+                )
+            actions = batch.actions.float()
+            if self.config.action_loss_mask and batch.actions_is_pad is not None:
+                mask = ~batch.actions_is_pad.bool()
+        prefix, layout = self.embed_prefix(batch)
+        encoded = Pi05Encoded(batch.num_samples, actions, mask, batch.real_tokens, batch.computed_tokens, batch,
+                              prefix, layout)
+        if cache:
+            rope = rotary_tables(layout.positions, self.config.head_dim)
+            encoded.cache = []
+            for layer in self.layers:
+                prefix, _, kv = layer(prefix, None, None, rope, None, layout)
+                encoded.cache.append(kv)
+        return encoded
 
-    def _velocity(self, x_t, t, cache, layout: Pi05Layout) -> torch.Tensor:
-        """Predicted velocity for noisy normalized actions x_t [B, T, A] at times t [B], given the prefix cache."""
+    def velocity(self, encoded: Pi05Encoded, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        layout = encoded.layout
         cond = self._time_condition(t)
         h = self.action_in_proj(x_t)
-        rope = rotary_tables(layout.suffix_positions(), self.config.head_dim)
-        for layer, (k, v) in zip(self.layers, cache, strict=True):
-            h = layer.suffix_forward(h, cond, rope, k, v, layout)
+        suffix_rope = rotary_tables(layout.suffix_positions(), self.config.head_dim)
+        if encoded.cache is not None:
+            for layer, kv in zip(self.layers, encoded.cache, strict=True):
+                _, h, _ = layer(None, h, cond, None, suffix_rope, layout, kv=kv)
+        else:
+            prefix, prefix_rope = encoded.prefix, rotary_tables(layout.positions, self.config.head_dim)
+            for layer in self.layers:
+                prefix, h, _ = layer(prefix, h, cond, prefix_rope, suffix_rope, layout)
         h, _ = self.expert_norm(h, cond)
         return self.action_out_proj(h)
 
-    def forward(self, batch: dict[str, Any] | PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        batch = self.as_packed_batch(batch)
-        if batch.actions is None:
-            raise ValueError("a training batch needs actions; this one was collated without them")
-        if batch.actions.shape[1] != batch.suffix_len:
-            raise ValueError(
-                f"batch has {batch.actions.shape[1]} actions per sample, the policy predicts chunks of "
-                f"{batch.suffix_len}; set policy.chunk_size to match the loader's action window"
-            )
-        tokens, layout = self.embed_prefix(batch)
-        actions = batch.actions.float()
-        noise = torch.randn_like(actions)
-        t = sample_time(actions.shape[0], actions.device, self.config.time_beta_alpha)
-        x_t, target = noisy_actions(actions, noise, t)
-        cache = self._prefix_cache(tokens, layout)
-        pred = self._velocity(x_t, t, cache, layout)
-        err = (pred - target).pow(2).mean(-1)  # [B, T]
-        if self.config.action_loss_mask and batch.actions_is_pad is not None:
-            keep = (~batch.actions_is_pad.bool()).float()
-            weight = keep.sum().clamp_min(1.0)
-            loss = (err * keep).sum() / weight
-        else:
-            weight = torch.tensor(float(err.numel()))
-            loss = err.mean()
-        # loss_weight: the loss's denominator, so micro-batch losses combine into the whole batch's mean
-        return loss, {"loss": float(loss.detach()), "loss_weight": float(weight), "tokens": batch.real_tokens,
-                      "computed_tokens": batch.computed_tokens}
 
-    @torch.no_grad()
-    def predict_action_chunk(self, observation: dict[str, Any] | PackedBatch) -> torch.Tensor:
-        batch = self.as_packed_batch(observation)
-        tokens, layout = self.embed_prefix(batch)
-        cache = self._prefix_cache(tokens, layout)  # once per chunk, reused by every Euler step
-        b = batch.num_samples
-        noise = torch.randn(b, self.config.chunk_size, self.config.action_dim, device=tokens.device)
-        actions = euler_sample(lambda x, t: self._velocity(x, t, cache, layout), noise, self.config.num_inference_steps)
-        return self.action_normalizer.unnormalize(actions)
-
-    # --- persistence ----------------------------------------------------------------------------------------
-    def _save_extra(self, directory: Path) -> None:
-        if self.tokenizer is not None:
-            self.tokenizer.save(directory / TOKENIZER_NAME)
-
-    def _load_extra(self, directory: Path) -> None:
-        self.tokenizer = TaskTokenizer.from_file(directory / TOKENIZER_NAME)
+# The Linear layers FP8 training leaves in full precision: the vision stem (few, tiny-K convolutions' neighbours),
+# the first and last layers of the flow (their error reaches the actions unfiltered) and any projection whose
+# dimensions are not multiples of 16 (the FP8 GEMM's tile constraint) or too small to gain.
+_FP8_EXCLUDED = ("vision.patch_embed", "vision.stem", "projector", "state_proj", "action_in_proj", "action_out_proj",
+                 "time_mlp", "embed_tokens")
+FP8_MIN_FEATURES = 1024
 
 
-STATE_INPUTS = ("token", "prompt")
-STATE_BINS = 256
-
-
-def state_prompt(task: str, normalized_state: torch.Tensor) -> str:
-    """pi0.5's prompt: the state (normalized to [-1, 1]) digitized into 256 bins and written as integers."""
-    edges = torch.linspace(-1.0, 1.0, STATE_BINS + 1)[:-1]
-    bins = torch.bucketize(normalized_state.clamp(-1.0, 1.0), edges, right=True) - 1
-    return f"Task: {task}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
+def fp8_filter(name: str, module: nn.Module) -> bool:
+    """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``)."""
+    if not isinstance(module, nn.Linear) or name.startswith(_FP8_EXCLUDED):
+        return False
+    out_features, in_features = module.weight.shape
+    return in_features % 16 == 0 and out_features % 16 == 0 and min(in_features, out_features) >= FP8_MIN_FEATURES
 
 
 def random_shift(images: torch.Tensor, pad: int) -> torch.Tensor:

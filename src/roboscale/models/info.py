@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from roboscale.models.groot import component_of as groot_component
+from roboscale.models.groot.modeling import component_of as groot_component
 from roboscale.models.registry import get_spec, preset_config
 
 

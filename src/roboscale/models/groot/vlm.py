@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from roboscale.models.attention import varlen_attention
+from roboscale.models.groot.config import GrootConfig
 from roboscale.models.layers import GatedMLP, RMSNorm, VisionTransformer, apply_rotary, rotary_tables
 
 
@@ -131,7 +132,7 @@ class Qwen3Layer(nn.Module):
 class EagleVLM(nn.Module):
     """ViT + projector + truncated Qwen3 decoder. ``forward`` -> VL tokens [T, W] (a flat stream) and layout."""
 
-    def __init__(self, cfg):  # cfg: GrootConfig (not imported here to keep the dependency one way)
+    def __init__(self, cfg: GrootConfig):
         super().__init__()
         self.cfg = cfg
         self.vision = VisionTransformer.from_config(cfg)

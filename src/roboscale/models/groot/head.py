@@ -5,7 +5,8 @@
   are indexed by an embodiment id (one robot's weights never train on another robot's data);
 - a DiT over [1 state token, K learned "future" tokens, T action tokens]: even blocks cross-attend to the VL
   tokens, odd blocks self-attend; every block's first norm is an adaLN on the flow timestep, and the output norm
-  is modulated by it too.
+  is modulated by it too. A cross-attending block projects its own keys/values from the VL features in its
+  ``forward``, so a wrapper that hooks the block (FSDP, activation checkpointing, compile) covers all its work.
 
 Cross-attention reads the VL tokens as a flat stream with ``VLLayout`` segments through ``varlen_attention``:
 each sample's queries see exactly its own VL tokens, never padding. (GR00T passes no mask to the DiT's
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from roboscale.models.attention import varlen_attention
-from roboscale.models.groot_vlm import VLLayout
+from roboscale.models.groot.config import GrootConfig
+from roboscale.models.groot.vlm import VLLayout
 
 
 # --- per-embodiment layers ------------------------------------------------------------------------------------
@@ -30,11 +32,20 @@ class CategorySpecificLinear(nn.Module):
 
     def __init__(self, num_categories: int, in_dim: int, out_dim: int):
         super().__init__()
-        # GR00T initializes W with std 0.02, about 1/sqrt(fan_in) at its widths (1024-3072). Scaling by fan_in
-        # keeps that at full size and gives small configs unit gain too: with 0.02 at width 32, the five such
-        # layers between a noisy action and its velocity shrink the signal ~10^4-fold and a tiny model barely trains.
-        self.W = nn.Parameter(torch.randn(num_categories, in_dim, out_dim) * in_dim**-0.5)
-        self.b = nn.Parameter(torch.zeros(num_categories, out_dim))
+        self.W = nn.Parameter(torch.empty(num_categories, in_dim, out_dim))
+        self.b = nn.Parameter(torch.empty(num_categories, out_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """W ~ N(0, 1 / in_dim), b = 0. GR00T draws W with std 0.02, about 1/sqrt(fan_in) at its widths (1024-3072).
+        Scaling by fan_in keeps that at full size and gives small configs unit gain too: with 0.02 at width 32, the
+        five such layers between a noisy action and its velocity shrink the signal ~10^4-fold and a tiny model
+        barely trains."""
+        in_dim = self.W.shape[1]
+        # randn scaled, not normal_(std=...): a fixed-seed build keeps its exact values
+        self.W.copy_(torch.randn(self.W.shape, device=self.W.device) * in_dim**-0.5)
+        self.b.zero_()
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if bool((ids == ids[0]).all()):  # one embodiment in the batch (the usual case): no [B, in, out] gather
@@ -110,11 +121,11 @@ class Attention(nn.Module):
         self.to_out = nn.Linear(dim, dim)
         self.dropout = nn.Dropout(dropout)
 
-    def kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of a VL stream [T, kv_dim] -> two [T, H, Dh] (cacheable across Euler steps)."""
-        t = context.shape[0]
-        return (self.to_k(context).view(t, self.heads, self.head_dim),
-                self.to_v(context).view(t, self.heads, self.head_dim))
+    def kv(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of a VL stream [T, kv_dim] -> two [T, H, Dh]."""
+        t = stream.shape[0]
+        return (self.to_k(stream).view(t, self.heads, self.head_dim),
+                self.to_v(stream).view(t, self.heads, self.head_dim))
 
     def forward_self(self, x: torch.Tensor) -> torch.Tensor:
         """Bidirectional self-attention within each row of x [B, N, D] (no padding inside a row)."""
@@ -132,12 +143,13 @@ class Attention(nn.Module):
         out = varlen_attention(q, k, v, cu, cu, n, n, backend=layout.backend)
         return self.dropout(self.to_out(out.reshape(t, d)))
 
-    def forward_cross(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], layout: VLLayout) -> torch.Tensor:
-        """Rows x [B, N, D] (sample i = row i) attend to sample i's VL tokens only."""
+    def forward_cross(self, x: torch.Tensor, vl: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+        """Rows x [B, N, D] (sample i = row i) attend to sample i's tokens of the VL stream vl [T, kv_dim] only."""
         b, n, d = x.shape
         q = self.to_q(x).reshape(b * n, self.heads, self.head_dim)
+        k, v = self.kv(vl)
         cu_q, max_q = layout.query_cu_seqlens(n)
-        out = varlen_attention(q, kv[0], kv[1], cu_q.to(x.device), layout.cu_seqlens, max_q, layout.max_seqlen,
+        out = varlen_attention(q, k, v, cu_q.to(x.device), layout.cu_seqlens, max_q, layout.max_seqlen,
                                backend=layout.backend)
         return self.dropout(self.to_out(out.reshape(b, n, d)))
 
@@ -184,7 +196,8 @@ class VLSelfAttentionBlock(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """adaLN(t) -> attention (cross to the VL tokens, or self) -> LayerNorm -> FF, both residual."""
+    """adaLN(t) -> attention (cross to the VL tokens, or self) -> LayerNorm -> FF, both residual. A unit of
+    ``GrootPolicy.parallel_units``: a cross-attending block projects the VL features to its keys/values here."""
 
     def __init__(self, dim: int, heads: int, cross_dim: int | None, dropout: float = 0.0):
         super().__init__()
@@ -193,9 +206,10 @@ class DiTBlock(nn.Module):
         self.attn = Attention(dim, heads, kv_dim=cross_dim, dropout=dropout)
         self.ff = FeedForward(dim, dropout)
 
-    def forward(self, x, temb, kv, layout: VLLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, vl: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+        """x [B, N, D]; temb [B, D] the timestep embedding; vl [T, W] the VL stream (read by cross blocks only)."""
         h = self.norm1(x, temb)
-        x = x + (self.attn.forward_cross(h, kv, layout) if self.cross else self.attn.forward_self(h))
+        x = x + (self.attn.forward_cross(h, vl, layout) if self.cross else self.attn.forward_self(h))
         return x + self.ff(F.layer_norm(x, x.shape[-1:], eps=1e-5))
 
 
@@ -211,14 +225,11 @@ class DiT(nn.Module):
         self.proj_out_1 = nn.Linear(dim, 2 * dim)
         self.proj_out_2 = nn.Linear(dim, output_dim)
 
-    def context(self, vl: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per-block keys/values of the VL stream: computed once per observation, reused by every Euler step."""
-        return [block.attn.kv(vl) if block.cross else None for block in self.blocks]
-
-    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context, layout: VLLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, vl: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+        """x [B, N, D] at discretized timesteps [B], conditioned on the VL stream vl [T, W] -> [B, N, output_dim]."""
         temb = self.timestep_encoder(timesteps)
-        for block, kv in zip(self.blocks, context, strict=True):
-            x = block(x, temb, kv, layout)
+        for block in self.blocks:
+            x = block(x, temb, vl, layout)
         shift, scale = self.proj_out_1(F.silu(temb)).chunk(2, dim=-1)
         x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
         return self.proj_out_2(x)
@@ -227,7 +238,7 @@ class DiT(nn.Module):
 class FlowMatchingActionHead(nn.Module):
     """VL processing, per-embodiment encoders/decoder and the DiT; predicts the flow velocity of an action chunk."""
 
-    def __init__(self, cfg, backbone_dim: int):  # cfg: GrootConfig
+    def __init__(self, cfg: GrootConfig, backbone_dim: int):
         super().__init__()
         self.cfg = cfg
         w, c = cfg.dit_width, cfg.num_embodiments
@@ -238,22 +249,31 @@ class FlowMatchingActionHead(nn.Module):
         self.state_encoder = CategorySpecificMLP(c, cfg.state_dim, cfg.hidden_size, w)
         self.action_encoder = ActionEncoder(c, cfg.action_dim, w)
         self.action_decoder = CategorySpecificMLP(c, cfg.hidden_size, cfg.hidden_size, cfg.action_dim)
-        self.future_tokens = nn.Parameter(0.02 * torch.randn(cfg.num_future_tokens, w))
-        self.position_embedding = nn.Parameter(0.02 * torch.randn(cfg.max_seq_len, w))
+        self.future_tokens = nn.Parameter(torch.empty(cfg.num_future_tokens, w))
+        self.position_embedding = nn.Parameter(torch.empty(cfg.max_seq_len, w))
+        self.reset_parameters()  # here, not last: a fixed seed draws these before the DiT's weights
         self.dit = DiT(w, cfg.dit_heads, cfg.dit_layers, backbone_dim, cfg.hidden_size, cfg.dropout)
 
-    def encode_vl(self, vl: torch.Tensor, layout: VLLayout) -> list:
-        """VL stream [T, W] -> the DiT's per-block cross-attention keys/values."""
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The learned future tokens and action positions ~ N(0, 0.02^2) (GR00T's)."""
+        for param in (self.future_tokens, self.position_embedding):
+            param.copy_(0.02 * torch.randn(param.shape, device=param.device))
+
+    def encode_vl(self, vl: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+        """VL stream [T, W] -> the features the DiT cross-attends to: ``vlln``, then the VL self-attention."""
         x = self.vlln(vl)
         for block in self.vl_self_attention:
             x = block(x, layout)
-        return self.dit.context(x)
+        return x
 
-    def velocity(self, x_t, timesteps, state_features, context, layout, embodiment) -> torch.Tensor:
-        """Velocity [B, T, A] of noisy actions x_t at discretized timesteps [B]."""
+    def velocity(self, x_t: torch.Tensor, timesteps: torch.Tensor, state_features: torch.Tensor, vl: torch.Tensor,
+                 layout: VLLayout, embodiment: torch.Tensor) -> torch.Tensor:
+        """Velocity [B, T, A] of noisy actions x_t at discretized timesteps [B], given the state features [B, 1, W],
+        the VL features [T_vl, W_vl] from ``encode_vl`` and the embodiment ids [B]."""
         b, t, _ = x_t.shape
         actions = self.action_encoder(x_t, timesteps, embodiment) + self.position_embedding[:t]
         future = self.future_tokens[None].expand(b, -1, -1)
         x = torch.cat([state_features, future, actions], dim=1)
-        out = self.dit(x, timesteps, context, layout)
+        out = self.dit(x, timesteps, vl, layout)
         return self.action_decoder(out[:, -t:], embodiment)

@@ -10,7 +10,7 @@ sample (main process + workers, after a warm-up), and the ratios against (a), al
       forward, converting each decoded frame (LeRobot's PyAV backend, ``decode_video_frames_pyav``; cameras in a
       new thread pool per sample, as LeRobot's HEAD does);
   (b) ``roboscale.data.build_loader`` on the same raw v3 dataset;
-  (c) ``build_loader`` on a lake compiled from it (``roboscale lake build``), if ``roboscale.data.lake`` exists.
+  (c) ``build_loader`` on a lake compiled from it (``roboscale lake build``), if ``roboscale.data.lake.build`` exists.
 
     .venv/bin/python benchmarks/loader.py                  # generates the dataset once (~1-2 min), then ~2 min
     .venv/bin/python benchmarks/loader.py --image-size 480 # cameras at 480² in the raw files (the lake: 224²)
@@ -51,7 +51,7 @@ class LeRobotPattern:
     metadata row per sample, and a freshly opened, seeking decoder per camera and sample."""
 
     def __init__(self, root: Path, tolerance_s: float = 1e-4):
-        from roboscale.data import lerobot_format as fmt
+        from roboscale.data.lerobot import format as fmt
 
         self.root = root
         self.info = fmt.read_info(root)
@@ -143,7 +143,7 @@ def _paths(size: int) -> tuple[Path, Path]:
 
 
 def _our_batches(source: Path, fps: float):
-    from roboscale.data.loader import build_loader
+    from roboscale.data.loading.loader import build_loader
 
     loader = build_loader(source, batch_size=BATCH, num_workers=WORKERS, keys=[*CAMERAS, STATE, ACTION],
                           delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]}, seed=0)
@@ -198,7 +198,7 @@ def ensure_dataset(size: int) -> None:
 
 def ensure_lake(size: int) -> bool:
     try:
-        import roboscale.data.lake  # noqa: F401
+        import roboscale.data.lake.build  # noqa: F401
     except ImportError:
         return False
     dataset, lake = _paths(size)

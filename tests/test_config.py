@@ -58,9 +58,8 @@ def test_help_lists_the_options_of_the_chosen_policy_type(capsys):
 
 
 def test_positional_arguments_fill_the_named_fields():
-    from roboscale.data.convert import ConvertConfig
-    from roboscale.data.lake import LakeConfig
-    from roboscale.data.validate import ValidateConfig
+    from roboscale.configs.data import ConvertConfig, ValidateConfig
+    from roboscale.configs.lake import LakeConfig
 
     lake = parse(LakeConfig, ["a", "b", "--output", "o", "--no-validate", "--image-size", "0", "--repair", "c"],
                  positional=("sources",))
@@ -78,7 +77,7 @@ def test_positional_arguments_fill_the_named_fields():
 
 
 def test_space_separated_values_make_a_list_and_dashes_are_accepted():
-    from roboscale.sim.experts import GenerateConfig
+    from roboscale.configs.data import GenerateConfig
 
     cfg = parse(GenerateConfig, ["--tasks", "drawer-open", "drawer-close", "--episodes-per-task", "3"])
     assert cfg.tasks == ["drawer-open", "drawer-close"] and cfg.episodes_per_task == 3

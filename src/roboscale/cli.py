@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from roboscale.errors import ConfigError, RoboscaleError, one_line
 
@@ -19,7 +21,8 @@ class Command:
 
 def _generate(argv: list[str]) -> None:
     from roboscale.config import parse
-    from roboscale.sim.experts import GenerateConfig, generate_dataset
+    from roboscale.configs.data import GenerateConfig
+    from roboscale.sim.experts import generate_dataset
 
     cfg = parse(GenerateConfig, argv, prog="roboscale data generate")
     print(f"dataset written to {generate_dataset(cfg)}")
@@ -34,7 +37,7 @@ def _tasks(argv: list[str]) -> None:
 
 
 def _info(argv: list[str]) -> None:
-    from roboscale.data.validate import summarize
+    from roboscale.data.lerobot.validate import summarize
 
     if len(argv) != 1 or argv[0].startswith("-"):
         raise ConfigError("usage: roboscale data info DATASET_DIR")
@@ -43,7 +46,8 @@ def _info(argv: list[str]) -> None:
 
 def _validate(argv: list[str]) -> None:
     from roboscale.config import parse
-    from roboscale.data.validate import ValidateConfig, validate
+    from roboscale.configs.data import ValidateConfig
+    from roboscale.data.lerobot.validate import validate
     from roboscale.errors import DatasetError
 
     cfg = parse(ValidateConfig, argv, prog="roboscale data validate", positional=("root",))
@@ -66,7 +70,8 @@ def _convert(argv: list[str]) -> None:
     import dataclasses
 
     from roboscale.config import parse
-    from roboscale.data.convert import ConvertConfig, convert_v21_to_v30
+    from roboscale.configs.data import ConvertConfig
+    from roboscale.data.lerobot.convert import convert_v21_to_v30
 
     cfg = parse(ConvertConfig, argv, prog="roboscale data convert", positional=("src", "dst"))
     if not cfg.src or not cfg.dst:
@@ -78,15 +83,27 @@ def _convert(argv: list[str]) -> None:
 
 def _lake_build(argv: list[str]) -> None:
     from roboscale.config import parse
-    from roboscale.data.lake import LakeConfig, build_lake
+    from roboscale.configs.lake import LakeConfig
+    from roboscale.data.lake.build import build_lake
 
-    report = build_lake(parse(LakeConfig, argv, prog="roboscale lake build", positional=("sources",)))
+    cfg = parse(LakeConfig, argv, prog="roboscale lake build", positional=("sources",))
+    tokenize, vocab_size = None, None
+    if cfg.tokenizer is not None:  # the lake stores token ids, never the models' tokenizer
+        from roboscale.models.tokenizer import TaskTokenizer
+
+        tokenizer = TaskTokenizer.from_file(cfg.tokenizer)
+        tokenize, vocab_size = partial(_encode_all, tokenizer), tokenizer.vocab_size
+    report = build_lake(cfg, tokenize=tokenize, vocab_size=vocab_size)
     print(f"lake {report.output}: {report.episodes} episodes, {report.frames} frames, {len(report.built)} built, "
           f"{len(report.skipped)} reused shards, {report.seconds:.1f} s")
 
 
+def _encode_all(tokenizer: Any, tasks: Sequence[str]) -> list[list[int]]:
+    return [tokenizer.encode(task) for task in tasks]
+
+
 def _lake_verify(argv: list[str]) -> None:
-    from roboscale.data.lake_source import LakeSource
+    from roboscale.data.lake.source import LakeSource
 
     if len(argv) != 1 or argv[0].startswith("-"):
         raise ConfigError("usage: roboscale lake verify LAKE_DIR")
@@ -95,7 +112,8 @@ def _lake_verify(argv: list[str]) -> None:
 
 
 def _train(argv: list[str]) -> None:
-    from roboscale.train.trainer import parse_train_args, train
+    from roboscale.train.resume import parse_train_args
+    from roboscale.train.trainer import train
 
     # `--skip-bad-episodes`: the spelling users know from dataset tools, for --dataset.skip_bad_episodes=true
     argv = ["--dataset.skip_bad_episodes=true" if a == "--skip-bad-episodes" else a for a in argv]
@@ -115,7 +133,8 @@ def _eval(argv: list[str]) -> None:
 
 def _model_info(argv: list[str]) -> None:
     from roboscale.config import parse
-    from roboscale.models.info import ModelInfoConfig, model_info
+    from roboscale.configs.model import ModelInfoConfig
+    from roboscale.models.info import model_info
 
     if argv and not argv[0].startswith("-"):  # `roboscale model info pi05`
         argv = [f"--policy={argv[0]}", *argv[1:]]

@@ -16,7 +16,8 @@ import torch
 from roboscale.config import save_yaml
 from roboscale.eval.closed_loop import EvalConfig, evaluate
 from roboscale.eval.report import success_table
-from roboscale.sim.experts import GenerateConfig, generate_dataset
+from roboscale.configs.data import GenerateConfig
+from roboscale.sim.experts import generate_dataset
 from roboscale.train.trainer import DatasetConfig, TrainConfig, train
 
 log = logging.getLogger(__name__)

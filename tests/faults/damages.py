@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from roboscale.data.raw_source import RawSource
+from roboscale.data.loading.raw_source import RawSource
 
 FRONT = "observation.images.front"
 WRIST = "observation.images.wrist"

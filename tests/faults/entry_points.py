@@ -90,7 +90,7 @@ def lerobot_dataset(root: Path, work: Path) -> Outcome:
 
 
 def _epoch(root: Path, skip: bool) -> Outcome:
-    from roboscale.data.loader import build_loader
+    from roboscale.data.loading.loader import build_loader
 
     loader = build_loader(root, batch_size=1, num_workers=0, skip_bad_episodes=skip, seed=0)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from roboscale.data.validate import validate
+from roboscale.data.lerobot.validate import validate
 
 from .damages import DAMAGES, Damage
 from .entry_points import ENTRY_POINTS, Outcome
@@ -93,7 +93,7 @@ def _assert_nothing_half_written(entry: str, work: Path) -> None:
 
 
 def _assert_right_frames(damage: Damage, outcome: Outcome, pristine: Path) -> None:
-    from roboscale.data.raw_source import RawSource
+    from roboscale.data.loading.raw_source import RawSource
 
     assert damage.bad is not None
     lengths = RawSource(pristine).episode_lengths

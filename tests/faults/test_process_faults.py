@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from roboscale.data.loader import LoaderError, build_loader
+from roboscale.data.loading.loader import build_loader
+from roboscale.data.loading.worker import LoaderError
 from roboscale.errors import CheckpointError, WorkerError
 
 from .entry_points import TINY_PI05, run_cli

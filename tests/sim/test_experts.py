@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
+from roboscale.configs.data import GenerateConfig
 from roboscale.data import LeRobotDataset
-from roboscale.sim.experts import GenerateConfig, generate_dataset
+from roboscale.sim.experts import generate_dataset
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig, resolve_tasks
 
 

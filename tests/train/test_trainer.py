@@ -83,7 +83,7 @@ def test_a_camera_missing_from_the_dataset_is_a_clear_error(tiny_dataset, tmp_pa
 
 def test_training_logs_data_wait_and_hands_the_policys_data_transforms_to_the_loader(tiny_dataset, tmp_path,
                                                                                      monkeypatch):
-    import roboscale.data.loader as loader_module
+    import roboscale.data.loading.loader as loader_module
 
     calls = []
     build = loader_module.build_loader
@@ -155,7 +155,7 @@ def test_both_policies_train_on_cameras_of_different_sizes(tmp_path, policy_type
     """LeRobot's own fixture has a 64x64 scene camera and a 48x64 wrist camera: each is fitted to the policy's
     square input (aspect kept by padding) before the cameras are stacked."""
     from roboscale.data import LeRobotDataset
-    from roboscale.data.lerobot_format import image_hwc, read_info
+    from roboscale.data.lerobot.format import image_hwc, read_info
     from roboscale.models.registry import preset_config
 
     fixture_root = Path(__file__).parent.parent / "fixtures" / "lerobot-v3.0-mini"

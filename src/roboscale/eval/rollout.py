@@ -94,7 +94,7 @@ def run_episode(policy, env, job: RolloutJob) -> EpisodeResult:
 
 def write_video(path: str, frames: np.ndarray, fps: int = 30) -> None:
     """H.264 mp4 (plays in every browser, unlike AV1 in some), upscaled 4x for viewing; written atomically."""
-    from roboscale.data.video import VideoStreamWriter
+    from roboscale.data.lerobot.video import VideoStreamWriter
     from roboscale.utils.io import atomic_path
 
     frames = frames.repeat(4, axis=1).repeat(4, axis=2)

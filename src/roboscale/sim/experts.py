@@ -12,51 +12,17 @@ import logging
 import multiprocessing as mp
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from roboscale.configs.data import GenerateConfig
 from roboscale.sim.metaworld import ACTION_DIM, FPS, STATE_DIM, MetaWorldEnv, RenderConfig, resolve_tasks
 
 log = logging.getLogger(__name__)
 
 FULL_STATE_DIM = 39
-
-
-@dataclass
-class GenerateConfig:
-    """`roboscale data generate`: run the scripted experts and write a LeRobot v3.0 dataset."""
-
-    tasks: list[str] = field(default_factory=lambda: ["demo"])
-    """MetaWorld task names (e.g. drawer-open, with or without -v3) or suites: demo, mt10, mt50."""
-    episodes_per_task: int = 25
-    """Successful episodes to keep per task (failed expert episodes are discarded and retried)."""
-    out: str = "outputs/data/metaworld"
-    """Dataset directory to create (must not exist yet)."""
-    image_size: int = 64
-    """Height and width of every camera image, in pixels."""
-    cameras: dict[str, str] = field(default_factory=lambda: {"corner2": "corner2", "wrist": "gripperPOV"})
-    """Feature name -> MuJoCo camera. Stored as observation.images.<name>."""
-    action_noise: float = 0.3
-    """Std of the noise added to the expert's actions when executing them (fraction of the [-1, 1] range)."""
-    noise_correlation: float = 0.9
-    """Step-to-step correlation of that noise (an AR(1) process). Correlated noise pushes the arm centimetres off
-    the expert's path, so the demonstrations show how to recover from the states a learned policy drifts into
-    (DART, Laskey et al. 2017); white noise at 80 Hz averages out within a few steps."""
-    record_expert_action: bool = True
-    """Label each frame with the expert's intended action (DART) rather than the noisy action executed. The
-    executed action is kept as `action.executed`."""
-    max_episode_steps: int = 300
-    """Give up on an expert episode after this many steps (experts need 35-180)."""
-    steps_after_success: int = 10
-    """Keep recording this many steps after success so policies learn to hold the final state."""
-    seed: int = 0
-    """Base seed: episode placements and noise derive from (seed, task, attempt)."""
-    workers: int = 2
-    """Parallel worker processes (one MetaWorld env each)."""
-    video_codec: str = "libsvtav1"
-    """Video codec for the mp4 files (libsvtav1 as LeRobot; libx264 also works)."""
 
 
 def dataset_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict]:

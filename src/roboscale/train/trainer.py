@@ -261,7 +261,7 @@ def block_samples(data: DatasetConfig, features: dict, image_keys: list[str], ba
     """``DatasetConfig.block_samples`` with 0 resolved from the memory budget and the cameras' frame sizes."""
     if data.block_samples > 0:
         return data.block_samples
-    from roboscale.data.lerobot_format import image_hwc
+    from roboscale.data.lerobot.format import image_hwc
 
     frame_bytes = sum(math.prod(image_hwc(features[k])) for k in image_keys) or 1
     return max(batch_size, data.block_memory_mb * 2**20 // frame_bytes)
@@ -325,8 +325,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
 def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progress: bool) -> Path:
     from tqdm import tqdm
 
-    from roboscale.data.loader import build_loader, check_sources, source_meta
-    from roboscale.data.source import open_source
+    from roboscale.data.loading.loader import build_loader, check_sources
+    from roboscale.data.loading.meta import source_meta
+    from roboscale.data.loading.source import open_source
     from roboscale.models.registry import build_policy, fit_to_dataset, get_spec
     from roboscale.train.checkpoint import (
         PRETRAINED,

@@ -1,12 +1,13 @@
 """Atomic file and directory writes: write to a temporary name, fsync, rename.
 
 A reader (or a resumed run) therefore sees either the old complete file or the new complete one, never a torn
-write, even after ``kill -9``.
+write, even after ``kill -9``. Also what tells files apart: their identity (a replaced file) and content hashes.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +24,20 @@ def file_identity(path: str | Path) -> tuple[int, int, int, int]:
     tell a repaired file from the one it opened (raises OSError when the file is gone)."""
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def sha256_bytes(*parts: bytes) -> str:
+    """Hex sha256 of the concatenated ``parts``."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
 
 
 def fsync_dir(path: str | Path) -> None:

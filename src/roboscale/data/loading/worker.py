@@ -1,0 +1,320 @@
+"""The loader's worker side: decode a block of samples in one pass, gather batches from it, and report failures
+as records; and, in the main process, the thread that waits on the workers and the means to stop them.
+
+A worker receives tasks (a batch of one block, with the whole block's sample ids) from the main process. It decodes
+the block the first time a batch of it is asked for (each episode's frames in one read, cameras in one sequential
+pass) and keeps it, and the next, so the block's later batches are array gathers. Without user transforms the
+camera frames are written straight into a shared-memory slot (``roboscale.data.loading.transport``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from roboscale.data.loading.index import SampleIndex
+from roboscale.data.loading.transport import Arena, Slot
+from roboscale.errors import DatasetError, RoboscaleError, from_record, to_record
+
+# numpy kind -> dtype LeRobot's items have (hf_transform_to_torch: floats -> float32, ints -> int64)
+_ITEM_DTYPE = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}
+
+
+class LoaderError(RoboscaleError, RuntimeError):
+    """A loader worker failed; the message names the dataset, episode and frame it was working on."""
+
+
+@dataclass
+class Task:
+    """One batch for a worker to return: batch ``batch`` of block ``block`` of ``epoch``."""
+
+    epoch: int
+    block: int
+    batch: int
+    samples: np.ndarray  # the whole block's sample ids (the worker decodes it once)
+    batch_size: int
+
+
+@dataclass
+class _Block:
+    """One decoded block: per key, the values of every frame any of its samples needs, and lookup tables."""
+
+    gids: np.ndarray
+    ep: np.ndarray
+    frame: np.ndarray
+    good: np.ndarray  # bool per sample: its episode could be read
+    slot: np.ndarray  # per sample: index of its episode among the block's episodes
+    lengths: np.ndarray  # per block episode
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    lut: dict[str, np.ndarray] = field(default_factory=dict)  # key -> concatenated frame -> row tables
+    lut_start: dict[str, np.ndarray] = field(default_factory=dict)  # key -> per block episode offset into lut
+    # cameras stay one array per episode (concatenating a block of frames would copy ~40 MB per camera)
+    frames: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
+    frame_lut: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)
+    decode_s: float = 0.0
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """Runs in the workers: ``dataset[task]`` -> (batch, info)."""
+
+    def __init__(self, sample_index: SampleIndex, keys: list[str], deltas: dict[str, np.ndarray], camera_keys: set[str],
+                 transform: Callable | None, collate: Callable | None, skip_bad_episodes: bool):
+        self.sample_index = sample_index
+        self.keys = keys
+        self.deltas = deltas
+        self.camera_keys = camera_keys
+        self.transform = transform
+        self.collate = collate
+        self.skip_bad = skip_bad_episodes
+        self.arena: Arena | None = None  # set by the loader before workers start
+        self._sent = 0
+        self._blocks: OrderedDict[tuple[int, int], _Block] = OrderedDict()
+
+    def __getitem__(self, task: Task) -> tuple[Any, dict[str, Any]]:
+        # Errors travel back as values: torch would re-raise them with the worker's traceback pasted into the
+        # message (and cannot rebuild a DatasetError); the main process raises them as they were.
+        try:
+            return self._get(task)
+        except RoboscaleError as e:
+            failure = WorkerFailure(to_record(e))
+        except Exception as e:  # noqa: BLE001 - anything else is reported with where it happened
+            traceback.print_exc()  # the worker's stderr: the full traceback for debugging
+            first_sample = task.samples[min(task.batch * task.batch_size, len(task.samples) - 1)]
+            first = self.sample_index.describe(int(first_sample))
+            failure = WorkerFailure(to_record(LoaderError(f"loader worker failed on batch {task.batch} of a block "
+                                                          f"starting at ({first}): {type(e).__name__}: {e}")))
+        return failure, {"skipped": [], "decode_s": 0.0, "short": 0}
+
+    def _get(self, task: Task) -> tuple[Any, dict[str, Any]]:
+        key = (task.epoch, task.block)
+        block = self._blocks.get(key)
+        fresh = block is None
+        if block is None:
+            block = self._prepare(task.samples)
+            self._blocks[key] = block
+            while len(self._blocks) > 2:  # the current block, and one more for the epoch tail's interleaving
+                self._blocks.popitem(last=False)
+        sel = np.arange(task.batch * task.batch_size, min((task.batch + 1) * task.batch_size, len(block.gids)))
+        info = {"skipped": block.skipped if fresh else [], "decode_s": block.decode_s if fresh else 0.0,
+                "short": 0}
+        ok = sel[block.good[sel]]
+        if len(ok) < len(sel):
+            pool = np.flatnonzero(block.good)
+            if len(pool) == 0:
+                return None, info
+            # keep the batch size: refill from the block's readable samples (deterministic)
+            fill = pool[(task.batch * task.batch_size + np.arange(len(sel) - len(ok))) % len(pool)]
+            info["short"] = len(sel) - len(ok)
+            sel = np.concatenate([ok, fill])
+        worker = torch.utils.data.get_worker_info()
+        slot = None
+        if self.arena is not None and worker is not None:
+            slot = self.arena.reserve(worker.id, self._sent)
+            self._sent += 1
+        # without user transforms, camera frames are written straight into the slot (no copy to hand them over)
+        batch = self._batch(block, sel, slot if self.transform is None and self.collate is None else None)
+        return (slot.pack(batch) if slot is not None else batch), info
+
+    # ------------------------------------------------------------------ decode a block
+
+    def _prepare(self, gids: np.ndarray) -> _Block:
+        t0 = time.perf_counter()
+        sample_index = self.sample_index
+        ep, frame = sample_index.locate(gids)
+        eps, slot = np.unique(ep, return_inverse=True)
+        lengths = sample_index.lengths[eps]
+        block = _Block(gids, ep, frame, np.ones(len(gids), bool), slot, lengths)
+        # keys read together: same kind (camera or not) and the same window offsets
+        groups: dict[tuple, list[str]] = {}
+        for key in [*self.keys, "task_index"]:
+            offsets = self.deltas.get(key)
+            window = None if offsets is None else tuple(offsets.tolist())
+            groups.setdefault((key in self.camera_keys, window), []).append(key)
+        parts: dict[str, list[np.ndarray]] = {k: [] for group in groups.values() for k in group}
+        luts: dict[str, list[np.ndarray]] = {k: [] for k in parts}
+        for i, g in enumerate(eps):
+            src, local, n = int(sample_index.source_of[g]), int(sample_index.local[g]), int(lengths[i])
+            mine = frame[slot == i]
+            try:
+                read = {}
+                for (_, window), keys in groups.items():
+                    wanted = mine if window is None else (mine[:, None] + np.asarray(window)[None]).ravel()
+                    needed = np.unique(np.clip(wanted, 0, n - 1))
+                    values = sample_index.sources[src].read(local, needed, keys)
+                    lut = np.full(n, -1, np.int64)
+                    lut[needed] = np.arange(len(needed))
+                    read.update({k: (values[k], lut) for k in keys})
+            except DatasetError as e:
+                if not self.skip_bad:
+                    raise
+                block.good[slot == i] = False
+                block.skipped.append((sample_index.names[src], int(sample_index.episode_ids[g]), str(e)))
+                read = None
+            for k in parts:
+                if k in self.camera_keys:
+                    block.frames.setdefault(k, []).append(None if read is None else read[k][0])
+                    block.frame_lut.setdefault(k, []).append(None if read is None else read[k][1])
+                    continue
+                if read is None:  # a placeholder row keeps offsets aligned; never selected (good=False)
+                    luts[k].append(np.zeros(n, np.int64))
+                    continue
+                values, lut = read[k]
+                base = sum(len(p) for p in parts[k])
+                parts[k].append(values)
+                luts[k].append(lut + base)
+        for k in parts:
+            if not parts[k]:
+                continue
+            block.values[k] = np.concatenate(parts[k])
+            block.lut[k] = np.concatenate(luts[k])
+            block.lut_start[k] = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        block.decode_s = time.perf_counter() - t0
+        return block
+
+    # ------------------------------------------------------------------ gather a batch
+
+    @staticmethod
+    def _frames(block: _Block, key: str, slot: np.ndarray, frames: np.ndarray, arena: Slot | None,
+                shared: bool) -> torch.Tensor:
+        """uint8 [B, (T,) C, H, W]: one copy per frame, transposing HWC -> CHW on the way (into shared memory when
+        it will cross to the main process without the arena: saves torch's copy into a new segment)."""
+        parts, luts = block.frames[key], block.frame_lut[key]
+        h, w, c = next(p for p in parts if p is not None).shape[1:]
+        shape = (*frames.shape, c, h, w)
+        batch = arena.empty(shape, torch.uint8) if arena is not None else torch.empty(shape, dtype=torch.uint8)
+        if shared and arena is None:
+            batch.share_memory_()
+        out = batch.numpy().reshape(-1, c, h, w)
+        flat_slot = np.broadcast_to(slot.reshape(-1, *([1] * (frames.ndim - 1))), frames.shape).ravel()
+        for i, (s, fr) in enumerate(zip(flat_slot.tolist(), frames.ravel().tolist(), strict=True)):
+            np.copyto(out[i], parts[s][luts[s][fr]].transpose(2, 0, 1))
+        return batch
+
+    def _batch(self, block: _Block, sel: np.ndarray, arena: Slot | None = None) -> dict[str, Any]:
+        slot, frame = block.slot[sel], block.frame[sel]
+        episode_length = block.lengths[slot]
+        out: dict[str, Any] = {}
+        in_worker = torch.utils.data.get_worker_info() is not None and self.arena is None
+        for key in self.keys:
+            offsets = self.deltas.get(key)
+            wanted = frame if offsets is None else frame[:, None] + offsets[None]  # [B] or a window [B, T]
+            length = episode_length if offsets is None else episode_length[:, None]
+            clamped = np.clip(wanted, 0, length - 1)  # LeRobot's windows repeat the edge frame
+            if key in self.camera_keys:
+                out[key] = self._frames(block, key, slot, clamped, arena, in_worker)
+            else:
+                rows = block.lut[key][block.lut_start[key][slot].reshape(-1, *([1] * (wanted.ndim - 1))) + clamped]
+                values = block.values[key][rows]
+                if values.dtype.kind in _ITEM_DTYPE:
+                    values = values.astype(_ITEM_DTYPE[values.dtype.kind], copy=False)
+                out[key] = torch.from_numpy(values)
+            if offsets is not None:
+                out[f"{key}_is_pad"] = torch.from_numpy((wanted < 0) | (wanted >= length))
+        sample_index = self.sample_index
+        episode = block.ep[sel]
+        task_index = block.values["task_index"][block.lut["task_index"][block.lut_start["task_index"][slot] + frame]]
+        out["task"] = [sample_index.sources[s].tasks[t] for s, t in zip(sample_index.source_of[episode].tolist(),
+                                                                   task_index.tolist(), strict=True)]
+        out["episode_index"] = torch.from_numpy(sample_index.episode_ids[episode])
+        out["frame_index"] = torch.from_numpy(frame.astype(np.int64))
+        if len(sample_index.sources) > 1:
+            out["dataset_index"] = torch.from_numpy(sample_index.source_of[episode])
+        if self.transform is None and self.collate is None:
+            return out
+        samples = [{k: (v[i] if not isinstance(v, list) else v[i]) for k, v in out.items()} for i in range(len(sel))]
+        if self.transform is not None:
+            for i, sample in enumerate(samples):
+                try:
+                    samples[i] = self.transform(sample)
+                except Exception as e:
+                    raise LoaderError(f"transform failed on sample ({sample_index.describe(int(block.gids[sel[i]]))}): "
+                                      f"{type(e).__name__}: {e}") from e
+        collate = self.collate or torch.utils.data.default_collate
+        return collate(samples)
+
+
+@dataclass
+class WorkerFailure:
+    """An exception from a worker, as data (see ``BatchDataset.__getitem__``): ``roboscale.errors.to_record``."""
+
+    record: dict[str, Any]
+
+    def error(self) -> Exception:
+        return from_record(self.record)
+
+
+class Fetcher:
+    """Runs ``next(iterator)`` on a daemon thread, so the trainer can stop waiting for it.
+
+    A worker that returns nothing for ``worker_timeout_s`` is stopped (``stop_processes``). torch then notices the
+    dead worker, but to mark it torch takes a lock that all workers share (its done event); a worker killed while
+    holding that lock (a SIGSTOP or SIGKILL lands anywhere) leaves it held forever, and whoever touches it next
+    blocks for good. So the wait happens here: on time-out the loader stops the workers, gives torch a moment to
+    report them, and otherwise abandons this thread (daemon: it never holds up the interpreter's exit) and the
+    iterator with it. (torch's own ``timeout`` would also postpone its check for crashed workers to the end of that
+    wait: workers of a forkserver are not our children, so no SIGCHLD.)"""
+
+    def __init__(self, iterator: Any):
+        self.iterator = iterator
+        self.busy = False
+        self._requests: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="loader-fetch", daemon=True).start()
+
+    def _run(self) -> None:
+        while self._requests.get():
+            try:
+                self._results.put((True, next(self.iterator)))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it was
+                self._results.put((False, e))
+
+    def next(self, timeout_s: float, on_timeout: Callable[[], None]) -> Any:
+        """The next item; after ``timeout_s`` without one, ``on_timeout()`` and ``TimeoutError`` (with the error
+        torch raised meanwhile as its cause, if it raised one)."""
+        self._requests.put(True)
+        self.busy = True  # until the answer is taken: an interrupted wait leaves the thread inside torch
+        try:
+            ok, value = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            on_timeout()
+            try:
+                ok, value = self._results.get(timeout=_REPORT_GRACE_S)
+            except queue.Empty:
+                raise TimeoutError from None
+            self.busy = False
+            raise TimeoutError from (value if not ok else None)
+        self.busy = False
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._requests.put(False)
+
+
+_REPORT_GRACE_S = 10.0  # after stopping timed-out workers: how long torch may take to notice before we give up
+
+
+def stop_processes(processes: Sequence[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after ``grace_s``: a stopped process (SIGSTOP, a debugger, a
+    frozen NFS read) never acts on SIGTERM, and a worker that looks alive makes torch wait on it forever."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

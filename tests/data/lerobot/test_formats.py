@@ -177,3 +177,12 @@ def test_lenient_metadata_variants(small_copy: Path) -> None:
                 assert torch.equal(got[key], value), key
     assert after.meta.robot_type is None and after.meta.task_list == tasks
     assert "a, b, c, d" in "\n".join(summarize(small_copy).lines())
+
+
+def test_the_data_commands_default_to_the_formats_values() -> None:
+    """configs/ import no data code, so the defaults the commands take from LeRobot are written out there."""
+    from roboscale.configs.data import ConvertConfig, ValidateConfig
+
+    assert ValidateConfig().tolerance_s == ConvertConfig().tolerance_s == fmt.DEFAULT_TOLERANCE_S
+    assert ConvertConfig().data_files_size_in_mb == fmt.DEFAULT_DATA_FILE_SIZE_MB
+    assert ConvertConfig().video_files_size_in_mb == fmt.DEFAULT_VIDEO_FILE_SIZE_MB

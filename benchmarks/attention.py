@@ -37,9 +37,8 @@ from packing import (  # noqa: E402
     train_step,
 )
 
-from roboscale.data.packing import PackedBatch  # noqa: E402
-from roboscale.models.flow_matching import euler_sample  # noqa: E402
-from roboscale.models.pi05 import Pi05Policy  # noqa: E402
+from roboscale.batching import PackedBatch  # noqa: E402
+from roboscale.models.pi05.modeling import Pi05Policy  # noqa: E402
 
 
 @torch.no_grad()
@@ -53,11 +52,11 @@ def chunk_recomputing_prefix(policy: Pi05Policy, batch: PackedBatch) -> torch.Te
     cfg = policy.config
 
     def velocity(x, t):
-        tokens, layout = policy.embed_prefix(batch)
-        return policy._velocity(x, t, policy._prefix_cache(tokens, layout), layout)
+        return policy.velocity(policy.encode(batch, cache=True), x, t)
 
     noise = torch.randn(batch.num_samples, cfg.chunk_size, cfg.action_dim, device=batch.state.device)
-    return policy.action_normalizer.unnormalize(euler_sample(velocity, noise, cfg.num_inference_steps))
+    actions = policy.flow_matching.sample(velocity, noise, cfg.num_inference_steps)
+    return policy.action_normalizer.unnormalize(actions)
 
 
 def inference_fns(policy: Pi05Policy, batch: PackedBatch, backend: str, autocast) -> dict[str, Callable[[], None]]:

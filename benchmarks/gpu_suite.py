@@ -32,7 +32,8 @@ from attention import inference_fns  # noqa: E402
 from packing import Shape, bench_config, layouts, make_samples, measure, print_table, train_step  # noqa: E402
 
 from roboscale.models import attention as attn  # noqa: E402
-from roboscale.models.pi05 import Pi05Config, Pi05Policy  # noqa: E402
+from roboscale.models.pi05.config import Pi05Config  # noqa: E402
+from roboscale.models.pi05.modeling import Pi05Policy  # noqa: E402
 from roboscale.models.registry import preset_config  # noqa: E402
 
 

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from roboscale.data.packing import PackedBatch, PrefixSpec, TokenizedSample, collate
-from roboscale.models.pi05 import Pi05Config, Pi05Policy
+from roboscale.batching import PackedBatch
+from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.pi05.config import Pi05Config
+from roboscale.models.pi05.layout import PrefixSpec, TokenizedSample, collate
+from roboscale.models.pi05.modeling import Pi05Policy
 
 CAMERAS = [f"observation.images.{name}" for name in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")]
 
@@ -105,7 +108,7 @@ def train_step(
         policy.config.attention_backend = backend
         policy.zero_grad(set_to_none=True)
         with torch.autocast(batch.state.device.type, dtype=autocast, enabled=autocast is not None):
-            loss, _ = policy(batch)
+            loss, _ = flow_matching_loss(policy, batch)
         loss.backward()
 
     return step

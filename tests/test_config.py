@@ -1,8 +1,8 @@
 import pytest
 
 from roboscale.config import ConfigError, field_docs, help_text, parse, to_dict
-from roboscale.models.pi05 import Pi05Config
-from roboscale.train.trainer import TrainConfig
+from roboscale.configs.train import TrainConfig
+from roboscale.models.pi05.config import Pi05Config
 
 
 def test_dotted_overrides_are_typed_and_nested():

@@ -18,7 +18,8 @@ from roboscale.eval.closed_loop import EvalConfig, evaluate
 from roboscale.eval.report import success_table
 from roboscale.configs.data import GenerateConfig
 from roboscale.sim.experts import generate_dataset
-from roboscale.train.trainer import DatasetConfig, TrainConfig, train
+from roboscale.configs.train import DatasetConfig, TrainConfig
+from roboscale.train.trainer import train
 
 log = logging.getLogger(__name__)
 

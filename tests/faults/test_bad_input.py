@@ -119,7 +119,7 @@ def test_python_callers_get_the_same_exception_types(tmp_path: Path) -> None:
     from roboscale.data import LeRobotDataset
     from roboscale.eval.closed_loop import EvalConfig
     from roboscale.models.policy import Policy
-    from roboscale.train.trainer import TrainConfig
+    from roboscale.configs.train import TrainConfig
 
     with pytest.raises(ConfigError, match="--steps must be a positive integer"):
         TrainConfig(steps=0)

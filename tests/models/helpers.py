@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from roboscale.models.pi05 import Pi05Config
+from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.registry import build_policy
 
 TASKS = ["Rotate the faucet clockwise", "Rotate the faucet counter-clockwise", "Open a drawer"]

@@ -3,7 +3,8 @@ import re
 import pytest
 
 from roboscale.config import ConfigError
-from roboscale.models.info import ModelInfoConfig, model_info
+from roboscale.configs.model import ModelInfoConfig
+from roboscale.models.info import model_info
 
 
 def test_full_size_pi05_matches_the_published_parameter_count():

@@ -3,6 +3,8 @@ import json
 import pytest
 import torch
 
+from roboscale.models.flow_matching import flow_matching_loss
+
 from roboscale.errors import CheckpointError
 from roboscale.models.policy import Policy
 from tests.models.helpers import TASKS, batch, tiny_policy
@@ -10,7 +12,7 @@ from tests.models.helpers import TASKS, batch, tiny_policy
 
 def test_forward_backward_gives_finite_loss_and_gradients_everywhere():
     policy = tiny_policy()
-    loss, metrics = policy(batch())
+    loss, metrics = flow_matching_loss(policy, batch())
     loss.backward()
     assert torch.isfinite(loss) and metrics["loss"] > 0
     no_grad = [n for n, p in policy.named_parameters() if p.grad is None]
@@ -22,29 +24,69 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     fixed = batch(b=8)
     torch.manual_seed(1)
-    first = [policy(fixed)[0].item() for _ in range(5)]
+    first = [flow_matching_loss(policy, fixed)[0].item() for _ in range(5)]
     for _ in range(60):
-        loss, _ = policy(fixed)
+        loss, _ = flow_matching_loss(policy, fixed)
         opt.zero_grad()
         loss.backward()
         opt.step()
     torch.manual_seed(1)
-    last = [policy(fixed)[0].item() for _ in range(5)]
+    last = [flow_matching_loss(policy, fixed)[0].item() for _ in range(5)]
     assert sum(last) < 0.5 * sum(first)
 
 
-def test_cached_prefix_inference_matches_recomputing_the_prefix():
+def test_the_cached_prefix_and_the_joint_layer_pass_predict_the_same_velocity():
+    """Inference runs the prefix once and every Euler step against its cache; training runs each JointLayer's
+    two passes together. Both compute the same velocity, and Euler steps never change the cache."""
     policy = tiny_policy().eval()
     obs = batch(b=2)
-    packed = policy.as_packed_batch(obs)
-    tokens, layout = policy.embed_prefix(packed)
-    cache = policy._prefix_cache(tokens, layout)
+    cached = policy.encode(obs, cache=True)
     x = torch.randn(2, policy.config.chunk_size, 4)
     t = torch.full((2,), 0.7)
-    for _ in range(3):  # Euler steps reuse the cache; it must not change underneath them
-        cached = policy._velocity(x, t, cache, layout)
-    fresh_cache = policy._prefix_cache(*policy.embed_prefix(packed))
-    torch.testing.assert_close(cached, policy._velocity(x, t, fresh_cache, layout))
+    for _ in range(3):
+        from_cache = policy.velocity(cached, x, t)
+    joint = policy.velocity(policy.encode(obs), x, t)
+    torch.testing.assert_close(from_cache, joint, rtol=0, atol=0)
+
+
+def test_a_joint_layer_is_one_unit_whose_forward_runs_both_towers():
+    policy = tiny_policy()
+    units = policy.parallel_units()
+    assert units[-len(policy.layers):] == list(policy.layers)
+    calls = []
+    for layer in policy.layers:
+        layer.register_forward_hook(lambda m, args, out: calls.append(m))
+    flow_matching_loss(policy, batch())
+    assert calls == list(policy.layers)  # once per layer per step: one all-gather serves both passes
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    outside = {n.split(".")[0] for n, p in policy.named_parameters() if id(p) not in in_units}
+    assert outside <= {"vision", "projector", "embed_tokens", "state_proj", "action_in_proj", "time_mlp",
+                       "expert_norm", "action_out_proj"}
+
+
+def test_weights_initialised_apart_from_construction_on_the_meta_device():
+    from roboscale.models.pi05.modeling import Pi05Policy
+    from tests.models.helpers import fake_meta
+
+    reference = tiny_policy()
+    with torch.device("meta"):
+        policy = Pi05Policy(reference.config, reference.tokenizer)
+    assert all(p.is_meta for p in policy.parameters())
+    policy.to_empty(device="cpu")
+    torch.manual_seed(0)
+    policy.init_weights()
+    policy.set_normalization(fake_meta().stats)
+    for name, p in policy.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if name.endswith("modulation.weight") or ("norm" in name and name.endswith(".weight") and p.dim() == 1
+                                                   and "vision" not in name):
+            assert not p.any(), f"{name}: zero-initialised by construction, so by init_weights too"
+    big = [n for n, p in reference.named_parameters() if p.dim() == 2 and p.numel() > 256 and p.detach().std() > 0]
+    for name in big:  # the same scheme as construction: comparable spread
+        a, b = dict(policy.named_parameters())[name], dict(reference.named_parameters())[name]
+        assert 0.5 < float(a.detach().std() / b.detach().std()) < 2.0, name
+    loss, _ = flow_matching_loss(policy, batch())
+    assert torch.isfinite(loss)
 
 
 def test_language_changes_the_prediction():
@@ -71,7 +113,7 @@ def test_save_then_load_gives_identical_actions(tmp_path):
     b = loaded.predict_action_chunk(obs)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     # Normalization statistics travel with the weights.
-    torch.testing.assert_close(loaded.action_normalizer.a, policy.action_normalizer.a)
+    torch.testing.assert_close(loaded.action_normalizer.q01, policy.action_normalizer.q01)
 
 
 def test_checkpoint_of_another_policy_type_is_refused(tmp_path):

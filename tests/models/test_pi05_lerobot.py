@@ -2,11 +2,13 @@ import json
 
 import pytest
 import torch
+
+from roboscale.models.flow_matching import flow_matching_loss
 from safetensors.torch import save_file
 
 from roboscale.errors import CheckpointError
-from roboscale.models.pi05 import state_prompt
-from roboscale.models.pi05_lerobot import load_lerobot_pi05, to_lerobot
+from roboscale.models.pi05.transform import state_prompt
+from roboscale.models.pi05.lerobot import load_lerobot_pi05, to_lerobot
 from roboscale.models.policy import Policy
 from tests.models.helpers import batch, tiny_policy
 
@@ -23,8 +25,8 @@ def write_lerobot_checkpoint(policy, directory, extra=None):
     save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(LEROBOT_CONFIG))
     policy.tokenizer.save(directory / "tokenizer.json")
-    stats = {"observation.state.q01": policy.state_normalizer.a, "observation.state.q99": policy.state_normalizer.b,
-             "action.q01": policy.action_normalizer.a, "action.q99": policy.action_normalizer.b}
+    stats = {"observation.state.q01": policy.state_normalizer.q01, "observation.state.q99": policy.state_normalizer.q99,
+             "action.q01": policy.action_normalizer.q01, "action.q99": policy.action_normalizer.q99}
     save_file(stats, str(directory / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
 
 
@@ -61,7 +63,7 @@ def test_a_lerobot_named_checkpoint_loads_and_predicts_identically(tmp_path):
     expected = policy.predict_action_chunk(obs)
     torch.manual_seed(3)
     torch.testing.assert_close(loaded.predict_action_chunk(obs), expected, rtol=0, atol=0)
-    torch.testing.assert_close(loaded.action_normalizer.b, policy.action_normalizer.b)
+    torch.testing.assert_close(loaded.action_normalizer.q99, policy.action_normalizer.q99)
 
 
 def test_round_trip_to_lerobot_names_and_back_is_exact(tmp_path):
@@ -76,7 +78,7 @@ def test_from_pretrained_recognises_a_lerobot_checkpoint(tmp_path, monkeypatch):
     policy = tiny_policy(state_input="prompt", vit_conv_stem=False)
     write_lerobot_checkpoint(policy, tmp_path / "lerobot")
     calls = []
-    monkeypatch.setattr("roboscale.models.pi05_lerobot.load_lerobot_pi05",
+    monkeypatch.setattr("roboscale.models.pi05.lerobot.load_lerobot_pi05",
                         lambda directory, **kw: calls.append((directory, kw)) or "loaded")
     assert Policy.from_pretrained(tmp_path / "lerobot", tokenizer_path="/tok.json") == "loaded"
     assert calls == [(tmp_path / "lerobot", {"tokenizer_path": "/tok.json"})]
@@ -101,6 +103,6 @@ def test_state_prompt_digitizes_like_pi05():
 def test_prompt_state_mode_has_no_state_projection_and_trains():
     policy = tiny_policy(state_input="prompt", vit_conv_stem=False)
     assert not hasattr(policy, "state_proj")
-    loss, _ = policy(batch())
+    loss, _ = flow_matching_loss(policy, batch())
     loss.backward()
     assert all(p.grad is not None for p in policy.parameters())

@@ -5,14 +5,17 @@ import pickle
 import pytest
 import torch
 
-from roboscale.data.packing import PackCollate, PackedBatch, collate
+from roboscale.models.flow_matching import flow_matching_loss
+
+from roboscale.batching import PackedBatch
+from roboscale.models.pi05.layout import PackCollate, collate
 from tests.models.helpers import CAMERAS, batch, sample_dicts, tiny_policy
 
 
 def _loss_and_grads(policy, packed_batch, seed=0):
     policy.zero_grad()
     torch.manual_seed(seed)  # same flow time and noise for both layouts (same samples, same order)
-    loss, _ = policy(packed_batch)
+    loss, _ = flow_matching_loss(policy, packed_batch)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
 
@@ -44,11 +47,11 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients():
 
 
 def test_token_budget_micro_batches_give_the_whole_batchs_loss_and_gradients(monkeypatch):
-    import roboscale.models.pi05 as pi05_module
+    from roboscale.models.flow_matching import FlowMatching
     from roboscale.train.trainer import accumulate_gradients
 
     # flow time and noise as functions of each sample (not of its place in a batch), so both splits draw alike
-    monkeypatch.setattr(pi05_module, "sample_time", lambda b, device, *a: torch.full((b,), 0.6, device=device))
+    monkeypatch.setattr(FlowMatching, "sample_time", lambda self, b, device: torch.full((b,), 0.6, device=device))
     monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.sin(3 * x + 1))
     policy = tiny_policy(packing=True)
     transform, _ = policy.data_transforms()
@@ -61,8 +64,8 @@ def test_token_budget_micro_batches_give_the_whole_batchs_loss_and_gradients(mon
     assert sorted(torch.cat([m.episode_index for m in micro]).tolist()) == sorted(whole.episode_index.tolist())
     loss, grads = _loss_and_grads(policy, whole)
     policy.zero_grad()
-    metrics = accumulate_gradients(policy, micro)
-    torch.testing.assert_close(torch.tensor(metrics["loss"]), loss, rtol=1e-5, atol=1e-7)
+    metrics = accumulate_gradients(policy, micro, flow_matching_loss)
+    torch.testing.assert_close(torch.tensor(float(metrics["loss"])), loss, rtol=1e-5, atol=1e-7)
     assert metrics["tokens"] == whole.real_tokens and "loss_weight" not in metrics
     for name, p in policy.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -86,7 +89,7 @@ def test_empty_camera_slots_are_not_encoded_in_packed_mode():
     assert packed.images.shape[0] == real and padded.images.shape[0] == 2 * len(samples)
     seen = []
     policy.vision.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
-    policy(packed)
+    flow_matching_loss(policy, packed)
     assert seen == [real]
 
 
@@ -96,12 +99,10 @@ def test_a_sample_in_a_pack_computes_what_it_computes_alone():
     spec = policy.prefix_spec()
     x = torch.randn(len(samples), policy.config.chunk_size, 4)
     t = torch.linspace(0.1, 0.9, len(samples))
-    tokens, layout = policy.embed_prefix(packed)
-    together = policy._velocity(x, t, policy._prefix_cache(tokens, layout), layout)
+    together = policy.velocity(policy.encode(packed, cache=True), x, t)
     for i in (0, 2, 4):  # (a sample lacking a camera cannot be collated alone: that camera would be absent)
         alone = collate([samples[i]], spec, packed=True)
-        tokens, layout = policy.embed_prefix(alone)
-        single = policy._velocity(x[i : i + 1], t[i : i + 1], policy._prefix_cache(tokens, layout), layout)
+        single = policy.velocity(policy.encode(alone, cache=True), x[i : i + 1], t[i : i + 1])
         torch.testing.assert_close(together[i : i + 1], single, rtol=1e-5, atol=1e-6)
 
 
@@ -111,7 +112,7 @@ def test_dict_batches_give_the_same_loss_packed_or_padded():
     for packing in (False, True):
         policy = tiny_policy(packing=packing)
         torch.manual_seed(3)
-        losses.append(policy(obs)[0].detach())
+        losses.append(flow_matching_loss(policy, obs)[0].detach())
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
 
 
@@ -134,7 +135,7 @@ def test_flex_inference_on_cpu_matches_sdpa_and_refuses_to_train():
     torch.manual_seed(7)
     torch.testing.assert_close(policy.predict_action_chunk(obs), reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(NotImplementedError, match="no backward on CPU"):
-        policy.train()(obs)
+        flow_matching_loss(policy.train(), obs)
 
 
 def test_data_transforms_are_picklable_and_give_the_same_batch():
@@ -156,7 +157,7 @@ def test_a_camera_missing_from_the_whole_batch_is_an_error():
     obs = batch(b=2)
     del obs[CAMERAS[1]]
     with pytest.raises(KeyError, match="observation.images.wrist.*policy.image_keys"):
-        policy(obs)
+        flow_matching_loss(policy, obs)
     transform, collate_fn = policy.data_transforms()
     dicts = sample_dicts(2, drop=((0, 1), (1, 1)))
     with pytest.raises(ValueError, match=r"camera slot\(s\) \[1\] are empty in every sample"):
@@ -183,7 +184,7 @@ def test_gpu_packed_backends_match_padded_sdpa_in_bf16(backend):
         policy.zero_grad()
         torch.manual_seed(0)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = policy(b.to("cuda"))
+            loss, _ = flow_matching_loss(policy, b.to("cuda"))
         loss.backward()
         results.append((loss.detach().float(), policy.action_in_proj.weight.grad.clone()))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-2, atol=2e-2)

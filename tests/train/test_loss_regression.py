@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from roboscale.models.registry import preset_config
-from roboscale.train.trainer import DatasetConfig, OptimizerConfig, TrainConfig, train
+from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
+from roboscale.train.trainer import train
 
 REFERENCE = Path(__file__).with_name("reference_losses.json")
 STEPS = 12

@@ -7,9 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from roboscale.config import ConfigError
-from roboscale.models.pi05 import Pi05Config
+from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.policy import Policy
-from roboscale.train.trainer import DatasetConfig, OptimizerConfig, TrainConfig, train
+from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
+from roboscale.train.trainer import train
 
 
 def tiny_train_config(root, out, steps, **kw) -> TrainConfig:
@@ -175,7 +176,7 @@ def test_both_policies_train_on_cameras_of_different_sizes(tmp_path, policy_type
 
 
 def test_resume_refuses_options_that_contradict_the_checkpoint_and_honours_the_rest(tiny_dataset, tmp_path):
-    from roboscale.train.trainer import parse_train_args
+    from roboscale.train.resume import parse_train_args
 
     out = tmp_path / "run"
     train(tiny_train_config(tiny_dataset, out, steps=2), progress=False)

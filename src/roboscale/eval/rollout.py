@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue as queue_module
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +64,34 @@ def observation_for_policy(obs: dict, description: str, image_keys: list[str]) -
     return batch
 
 
+class ActionQueue:
+    """The actions of one environment's predicted chunk not executed yet. A new chunk is predicted only when the
+    queue is empty; each environment has its own, so environments that reset at different times can share one
+    batched policy call."""
+
+    def __init__(self, n_action_steps: int):
+        self.n_action_steps = n_action_steps
+        self._actions: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._actions)
+
+    def reset(self) -> None:
+        """At the start of every episode: what the previous episode queued is not this one's."""
+        self._actions.clear()
+
+    def pop(self, predict_chunk: Callable[[], Any]) -> Any:
+        """The next action [A]; ``predict_chunk()`` -> [T, A] is called when the queue is empty."""
+        if not self._actions:
+            self._actions.extend(predict_chunk()[: self.n_action_steps])
+        return self._actions.popleft()
+
+
 def run_episode(policy, env, job: RolloutJob) -> EpisodeResult:
     """One episode: success at any step ends it (MetaWorld states can drift after success)."""
     import torch
 
-    policy.reset()
+    queue = ActionQueue(policy.config.n_action_steps)
     torch.manual_seed(job.seed)  # the flow-matching noise is part of the episode's reproducibility
     obs = env.reset(job.seed)
     frames = []
@@ -77,7 +103,8 @@ def run_episode(policy, env, job: RolloutJob) -> EpisodeResult:
     for steps in range(1, job.max_steps + 1):
         if job.record_video:
             frames.append(obs["images"][job.video_camera])
-        action = policy.select_action(observation_for_policy(obs, instruction, image_keys))[0].numpy()
+        observation = observation_for_policy(obs, instruction, image_keys)
+        action = queue.pop(lambda: policy.predict_action_chunk(observation)[0]).numpy()
         obs, reward, success, truncated, _ = env.step(action)
         rewards.append(reward)
         if success or truncated:
@@ -108,12 +135,12 @@ def write_video(path: str, frames: np.ndarray, fps: int = 30) -> None:
 def _worker(jobs: list[RolloutJob], results: mp.Queue, threads: int) -> None:
     import torch
 
-    from roboscale.models.registry import load_policy
+    from roboscale.models.policy import Policy
     from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig
 
     torch.set_num_threads(threads)
     try:
-        policy = load_policy(jobs[0].checkpoint).eval()
+        policy = Policy.from_pretrained(jobs[0].checkpoint).eval()
         envs: dict[str, MetaWorldEnv] = {}
         for job in jobs:
             if job.task not in envs:

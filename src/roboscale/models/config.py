@@ -26,6 +26,6 @@ class PolicyConfig:
     """Actions predicted per inference call."""
     n_action_steps: int = 4
     """Actions executed from each predicted chunk before predicting again (the action queue length). Re-planning
-    every 4 of the 16 steps (50 ms at 80 Hz) corrects small contact errors; 8 cost ~10 points of success."""
+    every 4 of the 16 steps (50 ms at 80 Hz) corrects small contact errors (docs/benchmarks.md compares 8)."""
     fps: float = 0.0
     """Dataset frame rate (0: from the dataset); with chunk_size it defines the action window."""

@@ -71,6 +71,11 @@ class Policy(nn.Module):
 
     def __init__(self, config: PolicyConfig, tokenizer: TaskTokenizer | None = None):
         super().__init__()
+        unfilled = [name for name in ("image_keys", "state_dim", "action_dim", "vocab_size")
+                    if hasattr(config, name) and not getattr(config, name)]
+        if unfilled:
+            raise ValueError(f"{type(config).__name__} needs {', '.join(unfilled)}; build it with "
+                             "roboscale.models.registry.build_policy(config, dataset_meta) to fill them from a dataset")
         self.config = config
         self.tokenizer = tokenizer
 
@@ -118,6 +123,16 @@ class Policy(nn.Module):
         """The blocks FSDP / activation checkpointing / torch.compile wrap, in execution order."""
         raise NotImplementedError
 
+    # --- description ----------------------------------------------------------------------------------------
+    @staticmethod
+    def component_of(parameter_name: str) -> str:
+        """The component a parameter belongs to, in the names users know (``roboscale model info``)."""
+        return parameter_name.split(".")[0]
+
+    def parameter_note(self, total: int) -> str:
+        """How this count relates to the reference implementation's (what we leave out, and why)."""
+        return ""
+
     @torch.no_grad()
     def predict_action_chunk(self, observation: Any) -> torch.Tensor:
         """Actions [B, chunk_size, action_dim] in the dataset's units, from noise by the policy's Euler steps."""
@@ -153,7 +168,7 @@ class Policy(nn.Module):
         config_dict = read_policy_config(directory)
         spec = spec_of_checkpoint(config_dict, directory / CONFIG_NAME)
         if spec.foreign is not None and spec.foreign.detect(config_dict):
-            return spec.foreign.load(directory, **overrides)  # e.g. a LeRobot pi0.5 checkpoint
+            return spec.foreign.loader()(directory, **overrides)  # e.g. a LeRobot pi0.5 checkpoint
         expected = getattr(cls, "name", None)
         if expected is not None and spec.name != expected:
             raise CheckpointError(directory / CONFIG_NAME, f"this checkpoint is a {spec.name!r} policy, not "

@@ -40,6 +40,9 @@ class Foreign:
     detect: Callable[[dict], bool]
     load: str
 
+    def loader(self) -> Callable[..., Any]:
+        return _load(self.load)
+
 
 @dataclass(frozen=True)
 class PolicySpec:

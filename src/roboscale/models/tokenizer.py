@@ -15,6 +15,7 @@ import torch
 from roboscale.errors import CheckpointError
 
 PAD, BOS = "<pad>", "<bos>"
+TASK_CACHE_SIZE = 4096
 
 
 def normalize_task(text: str) -> str:
@@ -29,6 +30,7 @@ class TaskTokenizer:
         pad = tokenizer.token_to_id(PAD)
         self.pad_id = 0 if pad is None else pad
         self.bos_id = tokenizer.token_to_id(BOS)
+        self._task_ids: dict[tuple[str, int], torch.Tensor] = {}
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 512) -> TaskTokenizer:
@@ -77,6 +79,17 @@ class TaskTokenizer:
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(normalize_task(text), add_special_tokens=False).ids
         return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+    def task_ids(self, task: str, max_length: int) -> torch.Tensor:
+        """long [L <= max_length]: the ids of a task string. Loader workers ask for the same few task strings every
+        step, so they are kept (a bounded number per process: a stray string never grows it unboundedly)."""
+        key = (task, max_length)
+        ids = self._task_ids.get(key)
+        if ids is None:
+            ids = torch.tensor(self.encode(task)[:max_length], dtype=torch.long)
+            if len(self._task_ids) < TASK_CACHE_SIZE:
+                self._task_ids[key] = ids
+        return ids
 
     def encode_batch(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids [B, L] and a bool mask (True = real), L = longest in the batch (<= max_length)."""

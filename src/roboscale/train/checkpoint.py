@@ -46,9 +46,8 @@ def step_name(step: int) -> str:
     return f"{step:06d}"
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def _optimizer_tensors(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split an optimizer state_dict into flat tensors (safetensors) and JSON-able structure."""
-    state = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for param_id, slots in state["state"].items():
         for name, value in slots.items():
@@ -57,27 +56,21 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": state["param_groups"]}
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: dict) -> None:
+def _optimizer_state(tensors: dict[str, torch.Tensor], groups: dict) -> dict:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         param_id, name = key.split(".", 1)
         state.setdefault(int(param_id), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": groups["param_groups"]})
+    return {"state": state, "param_groups": groups["param_groups"]}
 
 
-def save_checkpoint(
-    output_dir: Path,
-    step: int,
-    policy,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    loader_state: dict,
-    train_config: Any,
-) -> Path:
+def save_checkpoint(output_dir: Path, step: int, policy, training_state: dict[str, Any], train_config: Any) -> Path:
+    """Write ``checkpoints/<step>`` (weights and the trainer's state: ``optimizer``, ``scheduler``, ``loader``,
+    ``rng`` state dicts) atomically, then point ``last`` at it."""
     checkpoints = Path(output_dir) / "checkpoints"
     target = checkpoints / step_name(step)
     try:
-        _write_step(target, policy, optimizer, scheduler, loader_state, train_config)
+        _write_step(target, policy, training_state, train_config)
     except (OSError, SafetensorError) as exc:  # a full disk, a quota, a vanished mount: nothing half-written stays
         previous = last_checkpoint(output_dir)
         kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
@@ -94,20 +87,19 @@ def _os_reason(exc: Exception) -> str:
     return os.strerror(int(code.group(1))) if code else str(exc)
 
 
-def _write_step(target: Path, policy, optimizer: torch.optim.Optimizer,
-                scheduler: torch.optim.lr_scheduler.LRScheduler, loader_state: dict, train_config: Any) -> None:
+def _write_step(target: Path, policy, training_state: dict[str, Any], train_config: Any) -> None:
     with atomic_directory(target, overwrite=True) as tmp:
         pretrained = tmp / PRETRAINED
         policy.save_pretrained(pretrained)
         (pretrained / TRAIN_CONFIG).write_text(json.dumps(to_dict(train_config), indent=4))
         state_dir = tmp / TRAINING_STATE
         state_dir.mkdir()
-        tensors, groups = _optimizer_tensors(optimizer)
+        tensors, groups = _optimizer_tensors(training_state["optimizer"])
         save_file(tensors, str(state_dir / "optimizer_state.safetensors"))
         (state_dir / "optimizer_param_groups.json").write_text(json.dumps(groups, indent=4))
-        (state_dir / "scheduler_state.json").write_text(json.dumps(scheduler.state_dict(), indent=4))
-        save_file({"torch": torch.get_rng_state()}, str(state_dir / "rng_state.safetensors"))
-        (state_dir / "loader_state.json").write_text(json.dumps(loader_state, indent=4))
+        (state_dir / "scheduler_state.json").write_text(json.dumps(training_state["scheduler"], indent=4))
+        save_file({"torch": training_state["rng"]}, str(state_dir / "rng_state.safetensors"))
+        (state_dir / "loader_state.json").write_text(json.dumps(training_state["loader"], indent=4))
         (state_dir / "training_step.json").write_text(json.dumps({"step": int(target.name)}, indent=4))
 
 
@@ -184,28 +176,18 @@ def last_checkpoint(output_dir: Path) -> Path | None:
     return last.resolve() if last.exists() else None
 
 
-def load_training_state(
-    checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> tuple[int, dict]:
-    """Restore optimizer, scheduler and RNG; return (step, loader state). Weights are loaded by the caller. A
-    missing or damaged file is a CheckpointError naming it."""
+def load_training_state(checkpoint: Path) -> dict[str, Any]:
+    """What ``save_checkpoint`` wrote of the trainer's state: ``step``, ``optimizer``, ``scheduler``, ``loader``,
+    ``rng``. A missing or damaged file is a CheckpointError naming it."""
     state_dir = checkpoint / TRAINING_STATE
-    tensors = _read(state_dir / "optimizer_state.safetensors", lambda p: load_file(str(p)))
-    groups = _read(state_dir / "optimizer_param_groups.json", _json)
-    scheduler_state = _read(state_dir / "scheduler_state.json", _json)
-    rng = _read(state_dir / "rng_state.safetensors", lambda p: load_file(str(p))["torch"])
-    step = _read(state_dir / "training_step.json", lambda p: int(_json(p)["step"]))
-    loader_state = _read(state_dir / "loader_state.json", _json)
-    try:
-        _load_optimizer(optimizer, tensors, groups)
-    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-        raise CheckpointError(state_dir, f"optimizer state does not fit this model ({exc})") from None
-    try:
-        scheduler.load_state_dict(scheduler_state)
-        torch.set_rng_state(rng)
-    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-        raise CheckpointError(state_dir, f"scheduler or RNG state is damaged ({exc})") from None
-    return step, loader_state
+    return {
+        "optimizer": _optimizer_state(_read(state_dir / "optimizer_state.safetensors", lambda p: load_file(str(p))),
+                                      _read(state_dir / "optimizer_param_groups.json", _json)),
+        "scheduler": _read(state_dir / "scheduler_state.json", _json),
+        "rng": _read(state_dir / "rng_state.safetensors", lambda p: load_file(str(p))["torch"]),
+        "step": _read(state_dir / "training_step.json", lambda p: int(_json(p)["step"])),
+        "loader": _read(state_dir / "loader_state.json", _json),
+    }
 
 
 def _json(path: Path) -> Any:

@@ -18,6 +18,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 COUNTS = ("tokens", "computed_tokens")  # per-step counts: summed over the window, not averaged
@@ -29,7 +31,7 @@ class Telemetry:
 
         self.writer = SummaryWriter(str(log_dir))
         self.batch_size = batch_size
-        self._sums: dict[str, float] = defaultdict(float)
+        self._sums: dict[str, float | torch.Tensor] = defaultdict(float)
         self._count = 0
         self._wait = 0.0
         self._window_start = time.perf_counter()
@@ -40,14 +42,15 @@ class Telemetry:
         yield
         self._wait += time.perf_counter() - start
 
-    def step(self, step: int, metrics: dict[str, float], log_now: bool,
+    def step(self, step: int, metrics: dict[str, float | torch.Tensor], log_now: bool,
              loader_stats: dict[str, float] | None = None) -> dict[str, float] | None:
         """Accumulate one step; on ``log_now`` write window means (and the loader's counters) and return them."""
-        for k, v in metrics.items():
-            self._sums[k] += float(v)
+        for k, v in metrics.items():  # tensors stay on their device until the window is logged
+            self._sums[k] = self._sums[k] + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._count += 1
         if not log_now:
             return None
+        self._sums = defaultdict(float, {k: float(v) for k, v in self._sums.items()})
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         counts = {k: self._sums.pop(k) for k in COUNTS if k in self._sums}
         summary = {k: v / self._count for k, v in self._sums.items()}

@@ -1,238 +1,255 @@
-"""The training loop: AdamW, warmup + cosine schedule, gradient clipping, logging, atomic checkpoints, resume.
+"""The training engine: a ``Trainer`` that builds, (parallelizes,) runs and checkpoints a training run.
 
-Single process for now; the loop only talks to the policy through the Policy contract and to the data through
-the loader's iterator + state_dict, so the distributed engine can wrap both without changing this file's shape.
-Data comes from ``roboscale.data.build_loader`` (raw LeRobot v3.0 datasets, lakes or weighted mixtures; worker
-processes run the policy's ``data_transforms()`` when it has them), and the loader's position is part of every
-checkpoint, so a resumed run sees exactly the batches the uninterrupted run would have.
+``Trainer(cfg).fit()`` goes build -> parallelize -> restore -> loop, and the loop calls its hooks (logging,
+checkpointing; evaluation beside training later) after every step. The policy is driven only through the Policy
+contract and its registered objective, the data only through the loader's iterator and ``state_dict``, so the
+distributed engine applies its parallelism to the plain policy in ``parallelize`` without changing the loop.
+
+What a checkpoint restores besides the weights is the trainer's ``state_dict()`` (step, optimizer, schedule,
+loader position, RNG), saved and loaded as a unit (torchtitan's ``Stateful``): a resumed run sees exactly the
+batches and draws the uninterrupted run would have. Metrics stay tensors until they are logged, so a step
+does not wait for the device once per micro-batch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from roboscale.config import ConfigError, save_yaml, to_dict
-from roboscale.errors import CheckpointError
-from roboscale.models.registry import PolicyConfig, default_policy_config
+from roboscale.config import save_yaml
+from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
+from roboscale.errors import CheckpointError, ConfigError
+from roboscale.train.resume import check_resume, resume_checkpoint, resuming, saved_config
 from roboscale.train.telemetry import COUNTS
 from roboscale.utils.io import exclusive_lock
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class DatasetConfig:
-    root: str = "outputs/data/metaworld"
-    """LeRobot v3.0 dataset directory, or a roboscale lake directory."""
-    mixture: dict[str, float] = field(default_factory=dict)
-    """Train on several datasets instead of root: directory -> weight (its share of every epoch)."""
-    episodes: list[int] | None = None
-    """Episode indices to train on (default: all; raw LeRobot datasets only)."""
-    num_workers: int = -1
-    """Loader worker processes (video decoding, windows, the policy's per-sample transforms); 0: in the training
-    process; -1: 0 without a GPU (CPU training needs every core: 2 workers made a 2-core demo step 20% slower),
-    else half the cores, at most 8."""
-    prefetch_factor: int = 2
-    """Batches each loader worker prepares ahead."""
-    block_samples: int = 0
-    """Samples a loader worker decodes together and shuffles among; consecutive batches come from one block.
-    0: as many as fit in block_memory_mb (the whole dataset when it fits, which makes batches independent)."""
-    block_memory_mb: int = 512
-    """Camera-frame memory of one block when block_samples is 0 (per loader worker)."""
-    chunk_frames: int = 4
-    """Consecutive frames of an episode decoded in one pass (more: fewer seeks, less diverse batches). Training
-    wants diverse batches (single demo runs with 256-1,024-sample blocks scored 79-80%, whole-dataset blocks 84-91%;
-    docs/benchmarks.md). With LeRobot's GOP of 2, 4-frame chunks cost little extra decoding."""
-    skip_bad_episodes: bool = False
-    """Skip and count unreadable episodes instead of stopping."""
+def train(cfg: TrainConfig, progress: bool = True) -> Path:
+    """Train and return the final checkpoint's ``pretrained_model`` directory."""
+    return Trainer(cfg, progress=progress).fit()
 
 
-@dataclass
-class OptimizerConfig:
-    lr: float = 5e-4
-    """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas (pi0.5's)."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
-    grad_clip_norm: float = 1.0
-    """Clip the global gradient norm to this (0 disables)."""
-    warmup_steps: int = 100
-    """Linear warmup steps."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio at the last step."""
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, progress: bool = True):
+        self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        self.progress = progress
+        self.resume_from = resume_checkpoint(self.output_dir) if cfg.resume else None
+        self.step = 0
+        self.policy: Any = None
+        self.loader: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.objective: Callable[..., Any] | None = None
+        self.telemetry: Any = None
 
+    def fit(self) -> Path:
+        if self.resume_from is None and (self.output_dir / "checkpoints").exists():
+            raise ConfigError(f"--output_dir {self.output_dir} already has checkpoints; pass --resume=true to "
+                              "continue it or choose another --output_dir")
+        prepare_output_dir(self.output_dir)
+        # one run per output_dir: a second one (another shell, a retried job) would interleave checkpoints
+        with exclusive_lock(self.output_dir / ".train.lock", lambda holder: ConfigError(
+                f"--output_dir {self.output_dir}: another training ({holder}) is writing there")):
+            from roboscale.train.checkpoint import remove_stale_files
 
-@dataclass
-class CheckpointConfig:
-    keep_last: int = 3
-    """Keep this many most recent checkpoints (0: all); `last` (and the best evaluated one) are always kept."""
+            for stale in remove_stale_files(self.output_dir):
+                log.info("removed %s, left by a run that was killed while saving", stale)
+            self.build()
+            self.parallelize()
+            self.restore()
+            try:
+                return self.loop()
+            finally:  # stop the loader's worker processes even when a step fails
+                self.telemetry.close()
+                self.loader.close()
 
-    def __post_init__(self) -> None:
-        if self.keep_last < 0:
-            raise ConfigError(f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
+    # --- build ----------------------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Data, policy, objective, loader, optimizer and schedule, in the order whose RNG draws make runs
+        reproducible (the policy's initial weights follow the seed)."""
+        from roboscale.data.loading.loader import check_sources
+        from roboscale.data.loading.meta import source_meta
+        from roboscale.models.registry import build_policy, fit_to_dataset, get_spec
+        from roboscale.train.telemetry import Telemetry
 
+        cfg = self.cfg
+        if self.resume_from is not None:
+            with resuming(self.resume_from):
+                saved = saved_config(self.resume_from)
+            check_resume(saved, cfg, self.resume_from)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.seed()
+        sources, names, weights = self.open_sources()
+        check_sources(sources, names, skip_bad_episodes=cfg.dataset.skip_bad_episodes)  # never build on refused data
+        meta = source_meta(sources, names)
+        if self.resume_from is not None:
+            from roboscale.models.policy import Policy
 
-@dataclass
-class TrainConfig:
-    """`roboscale train`: train a policy on a LeRobot v3.0 dataset."""
+            pretrained = self.resume_from / "pretrained_model"
+            with resuming(self.resume_from):
+                self.policy = Policy.from_pretrained(pretrained)
+            cfg.policy = self.policy.config
+            try:
+                fit_to_dataset(cfg.policy, meta)  # the data may have changed since the checkpoint was written
+            except ConfigError as e:
+                raise ConfigError(f"--resume: {pretrained / 'config.json'} does not fit the data: {e}") from None
+        else:
+            self.policy = build_policy(cfg.policy, meta)
+        self.objective = get_spec(self.policy.name).loss()
+        self.loader = self.build_loader(sources, weights, meta)
+        log.info("policy %s: %.2fM parameters; data %s: %d episodes, %d frames, %d batches per epoch, %d loader "
+                 "workers", self.policy.name, sum(p.numel() for p in self.policy.parameters()) / 1e6, meta.root,
+                 sum(len(s.episode_lengths) for s in sources), sum(int(s.episode_lengths.sum()) for s in sources),
+                 self.loader.batches_per_epoch, self.loader.num_workers)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas,
+                                           weight_decay=cfg.optimizer.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
+        self.telemetry = Telemetry(self.output_dir / "tensorboard", cfg.batch_size)
 
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    """Which dataset to train on."""
-    policy: PolicyConfig = field(default_factory=default_policy_config)
-    """Policy type and architecture."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer and learning-rate schedule."""
-    steps: int = 1700
-    """Optimizer steps."""
-    batch_size: int = 64
-    """Samples per step."""
-    seed: int = 0
-    """Seed for initialization, shuffling and noise."""
-    output_dir: str = "outputs/train/pi05"
-    """Where checkpoints/ and tensorboard/ go."""
-    save_freq: int = 500
-    """Save a checkpoint every this many steps (and at the end)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoint retention."""
-    log_freq: int = 50
-    """Log metrics every this many steps."""
-    resume: bool = False
-    """Continue from <output_dir>/checkpoints/last exactly where it stopped. Options not given are the
-    checkpoint's; steps, save_freq, log_freq, checkpoint.*, num_threads and the loader's worker settings may
-    change, anything else that differs is refused."""
-    num_threads: int = 0
-    """torch CPU threads (0: all cores)."""
+    def seed(self) -> None:
+        """Seed torch's global RNG (initial weights, noise, flow times). Where each data-parallel rank must draw
+        its own noise, this is where the rank enters the seed."""
+        torch.manual_seed(self.cfg.seed)
 
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "save_freq", "log_freq"):
-            value = getattr(self, name)
-            if isinstance(value, int) and value <= 0:
-                raise ConfigError(f"--{name} must be a positive integer, got {value}")
-        if self.num_threads < 0:
-            raise ConfigError(f"--num_threads must be >= 0, got {self.num_threads}")
+    def open_sources(self) -> tuple[list[Any], list[str], list[float | None]]:
+        from roboscale.data.loading.source import open_source
 
+        data = self.cfg.dataset
+        entries = list(data.mixture.items()) if data.mixture else [(data.root, None)]
+        options = {"episodes": data.episodes} if data.episodes is not None else {}
+        sources = [open_source(path, **options) for path, _ in entries]
+        return sources, [str(path) for path, _ in entries], [w for _, w in entries]
 
-# Options a resumed run may change: they do not alter the model, the data order or the optimizer's trajectory
-# (steps moves the end of the cosine schedule, which is what a user extending a run wants).
-RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threads", "resume",
-                     "dataset.num_workers", "dataset.prefetch_factor")
+    def build_loader(self, sources: list[Any], weights: list[float | None], meta: Any) -> Any:
+        from roboscale.data.loading.loader import build_loader
 
+        cfg, policy_cfg, data = self.cfg, self.policy.config, self.cfg.dataset
+        transform, collate = self.policy.data_transforms()
+        return build_loader(
+            sources if not data.mixture else list(zip(sources, weights, strict=True)),
+            batch_size=cfg.batch_size,
+            num_workers=loader_workers(data.num_workers),
+            # LeRobot's delta_timestamps, from the policy's frame offsets
+            delta_timestamps={key: [i / meta.fps for i in idx] for key, idx in self.policy.delta_indices().items()},
+            keys=[*policy_cfg.image_keys, policy_cfg.state_key, policy_cfg.action_key],
+            seed=cfg.seed,
+            transform=transform,
+            collate=collate,
+            prefetch_factor=data.prefetch_factor,
+            block_samples=block_samples(data, meta.features, list(policy_cfg.image_keys), cfg.batch_size),
+            chunk_frames=data.chunk_frames,
+            skip_bad_episodes=data.skip_bad_episodes,
+            check=False,  # check_sources ran before the policy was built
+        )
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
-    return out
+    def parallelize(self) -> None:
+        """Where data parallelism, FSDP, activation checkpointing and compile are applied to the plain policy (its
+        ``parallel_units()``); one process on one device needs none of them."""
 
+    # --- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint restores besides the weights, as one unit."""
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
 
-def resume_conflicts(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
-    """``--option=value (checkpoint: value)`` for every option of ``cfg`` that a resume may not change. Policy
-    fields left to be filled from the dataset (0 / empty) take the checkpoint's value; another policy type is one
-    conflict, not one per option."""
-    from roboscale.models.registry import FILLED_AT_BUILD
+    def load_state_dict(self, state: dict[str, Any], where: Path) -> None:
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(where, f"optimizer state does not fit this model ({exc})") from None
+        try:
+            self.scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(where, f"scheduler or RNG state is damaged ({exc})") from None
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(where / "loader_state.json",
+                                  f"does not fit this data loader ({type(e).__name__}: {e})") from None
+        self.step = int(state["step"])
 
-    old, new = _flatten(to_dict(saved)), _flatten(to_dict(cfg))
-    for name in FILLED_AT_BUILD:
-        key = f"policy.{name}"
-        if not new.get(key) and key in old:
-            new[key] = old[key]
-    other_type = old["policy.type"] != new["policy.type"]
-    conflicts = []
-    for key in sorted(set(old) | set(new)):
-        if key.startswith(RESUMABLE_CHANGES) or key == "output_dir":
-            continue
-        if key.startswith("policy.") and key != "policy.type" and other_type:
-            continue
-        if key in old and key in new and _same(old[key], new[key]):
-            continue
-        conflicts.append(f"--{key}={json.dumps(new.get(key))} (checkpoint: {json.dumps(old.get(key))})")
-    return conflicts
+    def restore(self) -> None:
+        """Continue from the checkpoint being resumed, if any; record the run's config beside its checkpoints."""
+        from roboscale.train.checkpoint import TRAINING_STATE, load_training_state
 
+        if self.resume_from is not None:
+            with resuming(self.resume_from):
+                self.load_state_dict(load_training_state(self.resume_from), self.resume_from / TRAINING_STATE)
+            log.info("resumed from %s at step %d", self.resume_from, self.step)
+        save_yaml(self.cfg, self.output_dir / "train_config.yaml")
 
-def saved_config(checkpoint: Path) -> TrainConfig:
-    """The TrainConfig a checkpoint was saved with; options it predates take their defaults."""
-    from roboscale.config import from_dict
-    from roboscale.train.checkpoint import PRETRAINED, TRAIN_CONFIG, saved_train_config
+    # --- the loop -------------------------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> dict[str, torch.Tensor | float]:
+        """One optimizer step over a batch (or its micro-batches); metrics as tensors."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, Any] = accumulate_gradients(self.policy, self.to_device(batch), self.objective)
+        if self.cfg.optimizer.grad_clip_norm > 0:
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
+                                                                  self.cfg.optimizer.grad_clip_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
 
-    path = checkpoint / PRETRAINED / TRAIN_CONFIG
-    try:
-        return from_dict(TrainConfig, saved_train_config(checkpoint), where=str(path))
-    except ConfigError as e:
-        raise CheckpointError(path, f"not a training config this roboscale reads ({e})") from None
+    def to_device(self, batch: Any) -> Any:
+        """Where batches move to the policy's device (CPU training: they are there)."""
+        return batch
 
+    def loop(self) -> Path:
+        from tqdm import tqdm
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return float(a) == float(b)
-    return a == b
+        from roboscale.train.checkpoint import PRETRAINED, last_checkpoint
 
+        self.policy.train()
+        final = None
+        with tqdm(total=self.cfg.steps, initial=self.step, desc="training", unit="step",
+                  disable=not self.progress) as bar:
+            while self.step < self.cfg.steps:
+                with self.telemetry.data_wait():
+                    batch = next(self.loader)
+                metrics = self.train_step(batch)
+                self.log(metrics, bar)
+                final = self.checkpoint() or final
+        if final is None:  # resumed at the last step: nothing left to train
+            final = last_checkpoint(self.output_dir)
+        return final / PRETRAINED
 
-def parse_train_args(argv: list[str]) -> TrainConfig:
-    """``roboscale train`` options; with ``--resume``, the options not given are the checkpoint's own."""
-    from roboscale.config import parse
+    # --- hooks ----------------------------------------------------------------------------------------------
+    def log(self, metrics: dict[str, Any], bar: Any) -> None:
+        cfg = self.cfg
+        log_now = self.step % cfg.log_freq == 0 or self.step == cfg.steps
+        summary = self.telemetry.step(self.step, metrics, log_now=log_now,
+                                      loader_stats=self.loader.stats() if log_now else None)
+        bar.update(1)
+        if summary:
+            shown = dict(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}")
+            if "tokens_per_s" in summary:
+                shown["tok_s"] = f"{summary['tokens_per_s']:.0f}"
+            bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
 
-    cfg = parse(TrainConfig, argv, prog="roboscale train")
-    if not cfg.resume:
-        return cfg
-    checkpoint = _resume_checkpoint(Path(cfg.output_dir))
-    with resuming(checkpoint):
-        saved = saved_config(checkpoint)
-    return parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
+    def checkpoint(self) -> Path | None:
+        from roboscale.train.checkpoint import prune_checkpoints, save_checkpoint
 
-
-def _resume_checkpoint(output_dir: Path) -> Path:
-    from roboscale.train.checkpoint import last_checkpoint
-
-    checkpoint = last_checkpoint(output_dir)
-    if checkpoint is None:
-        last = output_dir / "checkpoints" / "last"
-        if last.is_symlink():
-            raise CheckpointError(last, f"points to {os.readlink(last)}, which does not exist{_earlier_hint(last)}")
-        raise ConfigError(f"--resume: no checkpoint under {output_dir / 'checkpoints'} to resume from")
-    return checkpoint
-
-
-@contextmanager
-def resuming(checkpoint: Path) -> Iterator[None]:
-    """A damaged checkpoint is an error that names the file and how to resume from an earlier one instead."""
-    try:
-        yield
-    except CheckpointError as e:
-        raise CheckpointError(e.path, f"{_message(e)}; cannot resume from it{_earlier_hint(checkpoint)}") from None
-
-
-def _message(err: CheckpointError) -> str:
-    return str(err).removeprefix(f"{err.path}: ")
-
-
-def _earlier_hint(checkpoint: Path) -> str:
-    from roboscale.train.checkpoint import step_directories
-
-    checkpoints = checkpoint.parent
-    current = checkpoint.resolve().name if checkpoint.exists() else os.readlink(checkpoint)
-    if not current.isdigit():
-        return ""
-    earlier = [p.name for p in step_directories(checkpoints) if int(p.name) < int(current)]
-    if not earlier:
-        return ""
-    return f" (to resume from the previous checkpoint: ln -sfn {earlier[-1]} {checkpoints / 'last'})"
+        cfg = self.cfg
+        if self.step % cfg.save_freq and self.step != cfg.steps:
+            return None
+        saved = save_checkpoint(self.output_dir, self.step, self.policy, self.state_dict(), cfg)
+        prune_checkpoints(self.output_dir, cfg.checkpoint.keep_last)
+        return saved
 
 
 def prepare_output_dir(output_dir: Path) -> None:
@@ -276,181 +293,29 @@ def loader_workers(requested: int) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def accumulate_gradients(policy: torch.nn.Module, batch: Any, objective: Callable[..., Any]) -> dict[str, float]:
+def accumulate_gradients(policy: torch.nn.Module, batch: Any, objective: Callable[..., Any]
+                         ) -> dict[str, torch.Tensor | float]:
     """Forward and backward over a batch, or over the micro-batches of one (a list: a token-budgeted collate).
 
     Micro-batches leave the gradients of the whole batch's loss: sum_i w_i loss_i / sum_i w_i, where w_i is the
     ``loss_weight`` the objective reports (its loss's denominator, e.g. the unpadded action values), so a budget
-    bounds activation memory without changing the update. Returns the step's metrics: the loss as that weighted
-    mean, token counts summed, the rest averaged."""
+    bounds activation memory without changing the update. With data-parallel ranks the sum of weights is the
+    global one (reduced over ranks) so that the update is the global batch's. Returns the step's metrics, still
+    tensors: the loss as that weighted mean, token counts summed, the rest averaged."""
     if not isinstance(batch, list):
         loss, metrics = objective(policy, batch)
         loss.backward()
         metrics.pop("loss_weight", None)
-        return {k: float(v) for k, v in metrics.items()}
+        return metrics
     total_weight, sums = 0.0, defaultdict(float)
     for micro in batch:
         loss, metrics = objective(policy, micro)
-        weight = float(metrics.pop("loss_weight"))
+        weight = metrics.pop("loss_weight")
         (loss * weight).backward()
-        total_weight += weight
-        for key, value in metrics.items():
-            sums[key] += float(value) * weight if key == "loss" else float(value)
+        total_weight = total_weight + weight
+        for key, value in metrics.items():  # the weighted loss in float64, as the update's weights add up exactly
+            sums[key] = sums[key] + (value.double() * weight.double() if key == "loss" else value)
     for p in policy.parameters():
         if p.grad is not None:
             p.grad.div_(total_weight)
     return {k: v / total_weight if k == "loss" else v if k in COUNTS else v / len(batch) for k, v in sums.items()}
-
-
-def train(cfg: TrainConfig, progress: bool = True) -> Path:
-    """Train and return the final checkpoint's ``pretrained_model`` directory."""
-    output_dir = Path(cfg.output_dir)
-    resume_from = _resume_checkpoint(output_dir) if cfg.resume else None
-    if resume_from is None and (output_dir / "checkpoints").exists():
-        raise ConfigError(
-            f"--output_dir {output_dir} already has checkpoints; pass --resume=true to continue it "
-            "or choose another --output_dir"
-        )
-    prepare_output_dir(output_dir)
-    # one run per output_dir: a second one (another shell, a retried job) would interleave checkpoints
-    with exclusive_lock(output_dir / ".train.lock", lambda holder: ConfigError(
-            f"--output_dir {output_dir}: another training ({holder}) is writing there")):
-        from roboscale.train.checkpoint import remove_stale_files
-
-        for stale in remove_stale_files(output_dir):
-            log.info("removed %s, left by a run that was killed while saving", stale)
-        return _train(cfg, output_dir, resume_from, progress)
-
-
-def _train(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, progress: bool) -> Path:
-    from tqdm import tqdm
-
-    from roboscale.data.loading.loader import build_loader, check_sources
-    from roboscale.data.loading.meta import source_meta
-    from roboscale.data.loading.source import open_source
-    from roboscale.models.registry import build_policy, fit_to_dataset, get_spec
-    from roboscale.train.checkpoint import (
-        PRETRAINED,
-        last_checkpoint,
-        load_training_state,
-        prune_checkpoints,
-        save_checkpoint,
-    )
-    from roboscale.train.telemetry import Telemetry
-
-    if resume_from is not None:
-        with resuming(resume_from):
-            saved = saved_config(resume_from)
-        conflicts = resume_conflicts(saved, cfg)
-        if conflicts:
-            raise ConfigError(f"--resume: {len(conflicts)} options differ from the checkpoint's "
-                              f"({resume_from / PRETRAINED / 'train_config.json'}): {'; '.join(conflicts)}. A resumed "
-                              "run continues the same run; drop them, or train into a new --output_dir")
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(cfg.seed)
-
-    data = cfg.dataset
-    entries = list(data.mixture.items()) if data.mixture else [(data.root, None)]
-    options = {"episodes": data.episodes} if data.episodes is not None else {}
-    try:
-        sources = [open_source(path, **options) for path, _ in entries]
-    except TypeError as e:  # a source type without episode selection (a lake)
-        raise ConfigError(f"--dataset.episodes works with raw LeRobot v3.0 datasets only: {e}") from None
-    names = [str(path) for path, _ in entries]
-    check_sources(sources, names, skip_bad_episodes=data.skip_bad_episodes)  # never build on data we would refuse
-    meta = source_meta(sources, names)
-    if resume_from is not None:
-        from roboscale.models.policy import Policy
-
-        with resuming(resume_from):
-            policy = Policy.from_pretrained(resume_from / PRETRAINED)
-        cfg.policy = policy.config
-        try:
-            fit_to_dataset(cfg.policy, meta)  # the data may have changed since the checkpoint was written
-        except ConfigError as e:
-            raise ConfigError(f"--resume: {resume_from / PRETRAINED / 'config.json'} does not fit the data: {e}"
-                              ) from None
-    else:
-        policy = build_policy(cfg.policy, meta)
-    pc = policy.config
-    objective = get_spec(policy.name).loss()
-    # LeRobot's delta_timestamps, from the policy's frame offsets
-    delta_timestamps = {key: [i / meta.fps for i in idx] for key, idx in policy.delta_indices().items()}
-    transform, collate = policy.data_transforms()
-    loader = build_loader(
-        sources if not data.mixture else list(zip(sources, [w for _, w in entries], strict=True)),
-        batch_size=cfg.batch_size,
-        num_workers=loader_workers(data.num_workers),
-        delta_timestamps=delta_timestamps,
-        keys=[*pc.image_keys, pc.state_key, pc.action_key],
-        seed=cfg.seed,
-        transform=transform,
-        collate=collate,
-        prefetch_factor=data.prefetch_factor,
-        block_samples=block_samples(data, meta.features, list(pc.image_keys), cfg.batch_size),
-        chunk_frames=data.chunk_frames,
-        skip_bad_episodes=data.skip_bad_episodes,
-    )
-    log.info(
-        "policy %s: %.2fM parameters; data %s: %d episodes, %d frames, %d batches per epoch, %d loader workers",
-        policy.name,
-        sum(p.numel() for p in policy.parameters()) / 1e6,
-        meta.root,
-        sum(len(s.episode_lengths) for s in sources),
-        sum(int(s.episode_lengths.sum()) for s in sources),
-        loader.batches_per_epoch,
-        loader.num_workers,
-    )
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, weight_decay=cfg.optimizer.weight_decay
-    )
-    scheduler = make_scheduler(optimizer, cfg.optimizer, cfg.steps)
-    step = 0
-    if resume_from is not None:
-        with resuming(resume_from):
-            step, loader_state = load_training_state(resume_from, optimizer, scheduler)
-            try:
-                loader.load_state_dict(loader_state)
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(resume_from / "training_state" / "loader_state.json",
-                                      f"does not fit this data loader ({type(e).__name__}: {e})") from None
-        log.info("resumed from %s at step %d", resume_from, step)
-    save_yaml(cfg, output_dir / "train_config.yaml")
-
-    telemetry = Telemetry(output_dir / "tensorboard", cfg.batch_size)
-    policy.train()
-    final = None
-    try:
-        with tqdm(total=cfg.steps, initial=step, desc="training", unit="step", disable=not progress) as bar:
-            while step < cfg.steps:
-                with telemetry.data_wait():
-                    batch = next(loader)
-                optimizer.zero_grad(set_to_none=True)
-                metrics = accumulate_gradients(policy, batch, objective)
-                if cfg.optimizer.grad_clip_norm > 0:
-                    metrics["grad_norm"] = float(
-                        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optimizer.grad_clip_norm)
-                    )
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                metrics["lr"] = scheduler.get_last_lr()[0]
-                log_now = step % cfg.log_freq == 0 or step == cfg.steps
-                stats = loader.stats() if log_now else None
-                summary = telemetry.step(step, metrics, log_now=log_now, loader_stats=stats)
-                bar.update(1)
-                if summary:
-                    shown = dict(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}")
-                    if "tokens_per_s" in summary:
-                        shown["tok_s"] = f"{summary['tokens_per_s']:.0f}"
-                    bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
-                if step % cfg.save_freq == 0 or step == cfg.steps:
-                    final = save_checkpoint(output_dir, step, policy, optimizer, scheduler, loader.state_dict(), cfg)
-                    prune_checkpoints(output_dir, cfg.checkpoint.keep_last)
-    finally:  # stop the loader's worker processes even when a step fails
-        telemetry.close()
-        loader.close()
-    if final is None:  # resumed at the last step: nothing left to train
-        final = last_checkpoint(output_dir)
-    return final / PRETRAINED

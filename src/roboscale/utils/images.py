@@ -48,3 +48,10 @@ def resize_with_pad(images: torch.Tensor, size: int, mode: str = "pad") -> torch
         canvas[..., top:top + content_h, left:left + content_w] = resized
         resized = canvas
     return resized.reshape(*lead, *resized.shape[-3:])
+
+
+def signed_unit_images(images: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 (or [0, 1] float) ``[..., 3, H, W]`` -> float ``[..., 3, size, size]`` in [-1, 1] (SigLIP's input
+    range), fitted by ``resize_with_pad``."""
+    images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
+    return resize_with_pad(images, size) * 2.0 - 1.0

@@ -40,7 +40,7 @@ from roboscale.models.groot.vlm import EagleVLM, VLLayout
 from roboscale.models.normalize import Normalizer
 from roboscale.models.policy import Encoded, Policy
 from roboscale.models.tokenizer import TaskTokenizer
-from roboscale.utils.images import resize_with_pad
+from roboscale.utils.images import signed_unit_images
 
 # Config fields that set the shape of each top-level part of the model: named in the error when a checkpoint's
 # tensors do not fit its config.json.
@@ -111,11 +111,6 @@ class GrootPolicy(Policy):
     def __init__(self, config: GrootConfig, tokenizer: TaskTokenizer | None = None):
         super().__init__(config, tokenizer)
         cfg = config
-        if not cfg.image_keys or not cfg.state_dim or not cfg.action_dim or not cfg.vocab_size:
-            raise ValueError(
-                "GrootConfig needs image_keys, state_dim, action_dim and vocab_size; build it with "
-                "roboscale.models.registry.build_policy(config, dataset_meta) to fill them from a dataset"
-            )
         if cfg.attention_backend not in BACKENDS:
             raise ConfigError(f"policy.attention_backend: {cfg.attention_backend!r} is not one of {list(BACKENDS)}")
         self.vlm = EagleVLM(cfg)
@@ -148,6 +143,10 @@ class GrootPolicy(Policy):
         return sorted({field for name in tensor_names
                        for field in SHAPE_FIELDS.get(_longest_prefix(name, SHAPE_FIELDS) or "", [])})
 
+    @staticmethod
+    def component_of(parameter_name: str) -> str:
+        return component_of(parameter_name)
+
     def parameter_note(self, total: int) -> str:
         """How our count relates to the GR00T N1.5 checkpoint's."""
         cfg = self.config
@@ -170,14 +169,11 @@ class GrootPolicy(Policy):
     def _images(self, batch: dict[str, Any]) -> torch.Tensor:
         """Cameras stacked to float [B * n_cam, 3, S, S] in [-1, 1] (SigLIP's input range); each camera is fitted
         to S x S on its own first (cameras may differ in size)."""
-        frames = []
-        for key in self.config.image_keys:
-            if key not in batch:
-                raise KeyError(f"observation has no {key!r}; this policy reads cameras {self.config.image_keys}")
-            img = batch[key]
-            img = img.float() / 255.0 if img.dtype == torch.uint8 else img.float()
-            frames.append(resize_with_pad(img, self.config.image_size))
-        return torch.stack(frames, dim=1).flatten(0, 1) * 2.0 - 1.0
+        missing = [key for key in self.config.image_keys if key not in batch]
+        if missing:
+            raise KeyError(f"observation has no {missing[0]!r}; this policy reads cameras {self.config.image_keys}")
+        frames = [signed_unit_images(batch[key], self.config.image_size) for key in self.config.image_keys]
+        return torch.stack(frames, dim=1).flatten(0, 1)
 
     def _language(self, batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded token ids [B, L] and mask; tokenizes ``task`` unless the batch brings token ids.

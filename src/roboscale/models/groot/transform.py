@@ -15,10 +15,6 @@ TOKENS = "observation.language.tokens"
 TOKENS_MASK = "observation.language.attention_mask"
 """Batch key of the mask of real (not padding) tokens, bool [B, L]."""
 
-TASK_CACHE_SIZE = 4096
-"""Task strings a worker keeps the token ids of (a dataset has a few; a bound keeps a stray one from growing it)."""
-
-
 class GrootTransform:
     """The instruction becomes token ids (cut to ``max_language_tokens``). Picklable (a ``tokenizers`` tokenizer
     and ints), so each loader worker carries its own."""
@@ -26,18 +22,11 @@ class GrootTransform:
     def __init__(self, tokenizer: TaskTokenizer, max_language_tokens: int):
         self.tokenizer = tokenizer
         self.max_language_tokens = max_language_tokens
-        self._cache: dict[str, torch.Tensor] = {}
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         if TOKENS in sample:
             return sample
-        task = sample["task"]
-        ids = self._cache.get(task)
-        if ids is None:
-            ids = torch.tensor(self.tokenizer.encode(task)[: self.max_language_tokens], dtype=torch.long)
-            if len(self._cache) < TASK_CACHE_SIZE:
-                self._cache[task] = ids
-        sample[TOKENS] = ids
+        sample[TOKENS] = self.tokenizer.task_ids(sample["task"], self.max_language_tokens)
         return sample
 
 

@@ -69,8 +69,8 @@ class Pi05Config(PolicyConfig):
     """Normalization of actions (same choices)."""
     random_shift: int = 0
     """Training augmentation: random image translation of up to this many pixels (0 disables). Off by default:
-    at 64² an object moves ~4 px per 10 cm, so a 4-pixel shift erases exactly the position signal the policy
-    must learn (measured: the policy then ignores where the button is; see docs/benchmarks.md)."""
+    at 64² an object moves ~4 px per 10 cm, so a 4-pixel shift erases exactly the position signal the policy must
+    learn (docs/benchmarks.md)."""
     action_loss_mask: bool = True
     """Exclude actions past the episode end (``action_is_pad``) from the loss."""
     attention_backend: str = "auto"

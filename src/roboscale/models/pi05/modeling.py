@@ -55,7 +55,7 @@ from roboscale.models.pi05.layout import PackCollate, PrefixSpec
 from roboscale.models.pi05.transform import Pi05Transform
 from roboscale.models.policy import Encoded, Policy
 from roboscale.models.tokenizer import TaskTokenizer
-from roboscale.utils.images import resize_with_pad
+from roboscale.utils.images import signed_unit_images
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -244,17 +244,25 @@ class Pi05Encoded(Encoded):
     """Per layer, the prefix keys/values (inference: computed once per observation)."""
 
 
+# top-level module -> the component name users know (joint layers are split into their two towers)
+COMPONENTS = {
+    "vision": "vision encoder (ViT)",
+    "projector": "image projector",
+    "embed_tokens": "token embeddings",
+    "state_proj": "state projection",
+    "action_in_proj": "action expert in/out + time MLP",
+    "action_out_proj": "action expert in/out + time MLP",
+    "time_mlp": "action expert in/out + time MLP",
+    "expert_norm": "action expert layers",
+}
+
+
 class Pi05Policy(Policy):
     name = "pi05"
 
     def __init__(self, config: Pi05Config, tokenizer: TaskTokenizer | None = None):
         super().__init__(config, tokenizer)
         cfg = config
-        if not cfg.image_keys or not cfg.state_dim or not cfg.action_dim or not cfg.vocab_size:
-            raise ValueError(
-                "Pi05Config needs image_keys, state_dim, action_dim and vocab_size; build it with "
-                "roboscale.models.registry.build_policy(config, dataset_meta) to fill them from a dataset"
-            )
         if cfg.state_input not in STATE_INPUTS:
             raise ConfigError(f"policy.state_input: {cfg.state_input!r} is not one of {sorted(STATE_INPUTS)}")
         if cfg.attention_backend not in BACKENDS:
@@ -281,6 +289,13 @@ class Pi05Policy(Policy):
 
     def parallel_units(self) -> list[nn.Module]:
         return [*self.vision.blocks, *self.layers]
+
+    @staticmethod
+    def component_of(parameter_name: str) -> str:
+        top = parameter_name.split(".")[0]
+        if top == "layers":
+            return "action expert layers" if ".expert_" in parameter_name else "language model layers"
+        return COMPONENTS.get(top, top)
 
     def parameter_note(self, total: int) -> str:
         """How our count relates to LeRobot's ``num_learnable_params`` for the same architecture."""
@@ -321,12 +336,11 @@ class Pi05Policy(Policy):
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def _prepare_images(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (or [0, 1] float) [N, 3, H, W] -> float [N, 3, S, S] in [-1, 1]."""
-        images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
-        images = resize_with_pad(images, self.config.image_size)
+        """uint8 (or [0, 1] float) [N, 3, H, W] -> float [N, 3, S, S] in [-1, 1], shifted when training asks."""
+        images = signed_unit_images(images, self.config.image_size)
         if self.training and self.config.random_shift > 0:
             images = random_shift(images, self.config.random_shift)
-        return images * 2.0 - 1.0
+        return images
 
     def embed_prefix(self, batch: PackedBatch) -> tuple[torch.Tensor, Pi05Layout]:
         """Prefix embeddings [R, L, W] (gathered from the bank the PackedBatch indexes) and the attention layout."""
@@ -365,7 +379,7 @@ class Pi05Policy(Policy):
     def encode(self, batch: dict[str, Any] | PackedBatch, *, cache: bool = False) -> Pi05Encoded:
         batch = self.as_packed_batch(batch)
         actions = mask = None
-        if batch.actions is not None:
+        if batch.actions is not None and not cache:  # an observation's actions (a dataset row) are not targets
             if batch.actions.shape[1] != batch.suffix_len:
                 raise ValueError(
                     f"batch has {batch.actions.shape[1]} actions per sample, the policy predicts chunks of "

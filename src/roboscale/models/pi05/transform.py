@@ -36,20 +36,14 @@ class Pi05Transform:
         self.state_normalizer = state_normalizer.snapshot()
         self.action_normalizer = action_normalizer.snapshot()
         self.tokenizer = tokenizer
-        self._task_cache: dict[str, torch.Tensor] = {}
 
-    # Tokenizing the same few task strings every step is wasted work; the cache is per process (worker).
     def _tokens(self, task: str, normalized_state: torch.Tensor) -> torch.Tensor:
-        if self.state_input == "prompt":
-            task = state_prompt(task, normalized_state)
-        elif task in self._task_cache:
-            return self._task_cache[task]
         if self.tokenizer is None:
             raise RuntimeError("this policy has no tokenizer; pass pre-tokenized observation.language.tokens")
-        ids = torch.tensor(self.tokenizer.encode(task)[: self.max_language_tokens], dtype=torch.long)
-        if self.state_input != "prompt" and len(self._task_cache) < 4096:
-            self._task_cache[task] = ids
-        return ids
+        if self.state_input == "prompt":  # the prompt carries the state: a new string every frame
+            ids = self.tokenizer.encode(state_prompt(task, normalized_state))[: self.max_language_tokens]
+            return torch.tensor(ids, dtype=torch.long)
+        return self.tokenizer.task_ids(task, self.max_language_tokens)
 
     def _images(self, sample: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if "images" in sample:

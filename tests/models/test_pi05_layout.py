@@ -1,21 +1,13 @@
-"""Token-budget packing: budget, coverage, positions, rank balance, errors."""
+"""Token-budget packing (roboscale.batching) and pi0.5's token layout on it: budget, coverage, positions, rank
+balance, errors."""
 
 import random
 
 import pytest
 import torch
 
-from roboscale.data.packing import (
-    PackCollate,
-    PackingError,
-    PrefixSpec,
-    TokenizedSample,
-    balance_ranks,
-    best_fit_decreasing,
-    collate,
-    pack_micro_batches,
-    plan_micro_batches,
-)
+from roboscale.batching import PackingError, balance_ranks, best_fit_decreasing, plan_micro_batches
+from roboscale.models.pi05.layout import PackCollate, PrefixSpec, TokenizedSample, collate, pack_micro_batches
 
 SPEC = PrefixSpec(tokens_per_image=4, extra_tokens=1, suffix_tokens=3)
 

@@ -1,0 +1,17 @@
+"""`roboscale model info`: which policy and size to describe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelInfoConfig:
+    """`roboscale model info`: parameter breakdown of a policy at a named size, built on the meta device."""
+
+    policy: str = "pi05"
+    """Policy type (pi05 or groot)."""
+    preset: str = "full"
+    """Named size: full (the published architecture), demo (the CPU demo) or tiny (unit tests)."""
+    overrides: dict[str, str] = field(default_factory=dict)
+    """Config fields to change on top of the preset, e.g. {depth: 12}."""

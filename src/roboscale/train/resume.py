@@ -1,0 +1,140 @@
+"""Resuming a training run: which options may change, the checkpoint's own config, and errors that say how to go on.
+
+A resumed run continues the same run: options not given are the checkpoint's (``parse_train_args``), and an
+option that would change the model, the data order or the optimizer's trajectory is refused, each named with
+the checkpoint's value (``resume_conflicts``). A damaged checkpoint is an error naming the file and the command
+that resumes from the previous one instead (``resuming``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from roboscale.config import to_dict
+from roboscale.configs.train import TrainConfig
+from roboscale.errors import CheckpointError, ConfigError
+
+
+# Options a resumed run may change: they do not alter the model, the data order or the optimizer's trajectory
+# (steps moves the end of the cosine schedule, which is what a user extending a run wants).
+RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threads", "resume",
+                     "dataset.num_workers", "dataset.prefetch_factor")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def resume_conflicts(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
+    """``--option=value (checkpoint: value)`` for every option of ``cfg`` that a resume may not change. Policy
+    fields left to be filled from the dataset (0 / empty) take the checkpoint's value; another policy type is one
+    conflict, not one per option."""
+    from roboscale.models.registry import FILLED_AT_BUILD
+
+    old, new = _flatten(to_dict(saved)), _flatten(to_dict(cfg))
+    for name in FILLED_AT_BUILD:
+        key = f"policy.{name}"
+        if not new.get(key) and key in old:
+            new[key] = old[key]
+    other_type = old["policy.type"] != new["policy.type"]
+    conflicts = []
+    for key in sorted(set(old) | set(new)):
+        if key.startswith(RESUMABLE_CHANGES) or key == "output_dir":
+            continue
+        if key.startswith("policy.") and key != "policy.type" and other_type:
+            continue
+        if key in old and key in new and _same(old[key], new[key]):
+            continue
+        conflicts.append(f"--{key}={json.dumps(new.get(key))} (checkpoint: {json.dumps(old.get(key))})")
+    return conflicts
+
+
+def saved_config(checkpoint: Path) -> TrainConfig:
+    """The TrainConfig a checkpoint was saved with; options it predates take their defaults."""
+    from roboscale.config import from_dict
+    from roboscale.train.checkpoint import PRETRAINED, TRAIN_CONFIG, saved_train_config
+
+    path = checkpoint / PRETRAINED / TRAIN_CONFIG
+    try:
+        return from_dict(TrainConfig, saved_train_config(checkpoint), where=str(path))
+    except ConfigError as e:
+        raise CheckpointError(path, f"not a training config this roboscale reads ({e})") from None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def parse_train_args(argv: list[str]) -> TrainConfig:
+    """``roboscale train`` options; with ``--resume``, the options not given are the checkpoint's own."""
+    from roboscale.config import parse
+
+    cfg = parse(TrainConfig, argv, prog="roboscale train")
+    if not cfg.resume:
+        return cfg
+    checkpoint = resume_checkpoint(Path(cfg.output_dir))
+    with resuming(checkpoint):
+        saved = saved_config(checkpoint)
+    return parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
+
+
+def resume_checkpoint(output_dir: Path) -> Path:
+    from roboscale.train.checkpoint import last_checkpoint
+
+    checkpoint = last_checkpoint(output_dir)
+    if checkpoint is None:
+        last = output_dir / "checkpoints" / "last"
+        if last.is_symlink():
+            raise CheckpointError(last, f"points to {os.readlink(last)}, which does not exist{_earlier_hint(last)}")
+        raise ConfigError(f"--resume: no checkpoint under {output_dir / 'checkpoints'} to resume from")
+    return checkpoint
+
+
+@contextmanager
+def resuming(checkpoint: Path) -> Iterator[None]:
+    """A damaged checkpoint is an error that names the file and how to resume from an earlier one instead."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(e.path, f"{_message(e)}; cannot resume from it{_earlier_hint(checkpoint)}") from None
+
+
+def _message(err: CheckpointError) -> str:
+    return str(err).removeprefix(f"{err.path}: ")
+
+
+def _earlier_hint(checkpoint: Path) -> str:
+    from roboscale.train.checkpoint import step_directories
+
+    checkpoints = checkpoint.parent
+    current = checkpoint.resolve().name if checkpoint.exists() else os.readlink(checkpoint)
+    if not current.isdigit():
+        return ""
+    earlier = [p.name for p in step_directories(checkpoints) if int(p.name) < int(current)]
+    if not earlier:
+        return ""
+    return f" (to resume from the previous checkpoint: ln -sfn {earlier[-1]} {checkpoints / 'last'})"
+
+
+def check_resume(saved: TrainConfig, cfg: TrainConfig, checkpoint: Path) -> None:
+    """Refuse a resume whose options contradict the checkpoint's, naming each."""
+    conflicts = resume_conflicts(saved, cfg)
+    if conflicts:
+        raise ConfigError(f"--resume: {len(conflicts)} options differ from the checkpoint's "
+                          f"({checkpoint / 'pretrained_model' / 'train_config.json'}): {'; '.join(conflicts)}. A "
+                          "resumed run continues the same run; drop them, or train into a new --output_dir")
+

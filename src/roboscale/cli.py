@@ -122,7 +122,8 @@ def _train(argv: list[str]) -> None:
 
 def _eval(argv: list[str]) -> None:
     from roboscale.config import parse
-    from roboscale.eval.closed_loop import EvalConfig, evaluate
+    from roboscale.configs.eval import EvalConfig
+    from roboscale.eval.closed_loop import evaluate
     from roboscale.eval.report import success_table
 
     cfg = parse(EvalConfig, argv, prog="roboscale eval")
@@ -143,7 +144,8 @@ def _model_info(argv: list[str]) -> None:
 
 def _demo(argv: list[str]) -> None:
     from roboscale.config import parse
-    from roboscale.demo import DemoConfig, run_demo
+    from roboscale.configs.demo import DemoConfig
+    from roboscale.demo import run_demo
 
     run_demo(parse(DemoConfig, argv, prog="roboscale demo"))
 

@@ -8,38 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from roboscale.config import save_yaml
-from roboscale.eval.closed_loop import EvalConfig, evaluate
+from roboscale.configs.demo import DemoConfig
+from roboscale.configs.eval import EvalConfig
+from roboscale.configs.train import DatasetConfig
+from roboscale.eval.closed_loop import evaluate
 from roboscale.eval.report import success_table
-from roboscale.configs.data import GenerateConfig
 from roboscale.sim.experts import generate_dataset
-from roboscale.configs.train import DatasetConfig, TrainConfig
 from roboscale.train.trainer import train
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DemoConfig:
-    """`roboscale demo`: generate demos, train a pi0.5-style policy, evaluate it untrained and trained."""
-
-    output_dir: str = "outputs/demo"
-    """Everything goes here: data/, train/, eval_untrained/, and the trained checkpoint's eval/."""
-    data: GenerateConfig = field(default_factory=GenerateConfig)
-    """Demonstration generation (its `out` is set to <output_dir>/data)."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Training (its dataset and output_dir are set under <output_dir>)."""
-    eval: EvalConfig = field(default_factory=lambda: EvalConfig(episodes=20))
-    """Evaluation (its tasks are the demo's tasks)."""
-    reuse_data: bool = True
-    """Reuse <output_dir>/data if a complete dataset is already there."""
-    language_check: bool = True
-    """Also evaluate the instruction-only pairs with swapped instructions (success should collapse)."""
 
 
 def run_demo(cfg: DemoConfig) -> dict:

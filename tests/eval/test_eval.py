@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from roboscale.eval.closed_loop import EvalConfig, evaluate
+from roboscale.configs.eval import EvalConfig
+from roboscale.eval.closed_loop import evaluate
 from roboscale.eval.rollout import RolloutJob, run_episode
 from roboscale.errors import CheckpointError
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig

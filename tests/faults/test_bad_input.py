@@ -117,7 +117,7 @@ def test_a_checkpoint_that_no_longer_fits_its_data_names_the_feature_and_the_fil
 
 def test_python_callers_get_the_same_exception_types(tmp_path: Path) -> None:
     from roboscale.data import LeRobotDataset
-    from roboscale.eval.closed_loop import EvalConfig
+    from roboscale.configs.eval import EvalConfig
     from roboscale.models.policy import Policy
     from roboscale.configs.train import TrainConfig
 

@@ -64,7 +64,8 @@ def test_a_dead_or_stopped_loader_worker_is_an_error_not_a_hang(small_root: Path
 def test_a_killed_evaluation_worker_is_an_error_not_a_hang(tiny_dataset: Path, tmp_path: Path) -> None:
     import multiprocessing
 
-    from roboscale.eval.closed_loop import EvalConfig, evaluate
+    from roboscale.configs.eval import EvalConfig
+    from roboscale.eval.closed_loop import evaluate
 
     run = tmp_path / "run"
     assert run_cli("train", f"--dataset.root={tiny_dataset}", f"--output_dir={run}", "--steps=1",

@@ -147,3 +147,21 @@ def test_missing_or_corrupt_checkpoint_files_name_the_file(tmp_path):
     (tmp_path / "ckpt" / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="tokenizer.json: not a valid tokenizer.json"):
         Policy.from_pretrained(tmp_path / "ckpt")
+
+
+def test_fp8_converts_the_large_layers_of_both_towers_and_leaves_the_ends_of_the_flow():
+    from roboscale.models.pi05.modeling import Pi05Policy, fp8_filter
+    from roboscale.models.registry import preset_config
+
+    cfg = preset_config("pi05", "full", image_keys=["observation.images.base_0_rgb"], vocab_size=257152)
+    with torch.device("meta"):
+        policy = Pi05Policy(cfg)
+    chosen = {name for name, module in policy.named_modules() if fp8_filter(name, module)}
+    assert "layers.0.q_proj" in chosen and "layers.0.mlp.gate_proj" in chosen and "layers.0.expert_mlp.up_proj" in chosen
+    assert "vision.blocks.0.fc1" in chosen
+    for name in chosen:
+        assert not name.startswith(("projector", "action_in_proj", "action_out_proj", "time_mlp", "state_proj"))
+        assert not name.endswith("norm.modulation")
+    linear = [m for m in policy.modules() if isinstance(m, torch.nn.Linear)]
+    converted = sum(policy.get_submodule(n).weight.numel() for n in chosen)
+    assert converted > 0.9 * sum(m.weight.numel() for m in linear)  # the FLOPs are in the chosen layers

@@ -185,3 +185,18 @@ class VisionTransformer(nn.Module):
             r, g = self.pixel_shuffle, self.grid
             x = x.view(n, g // r, r, g // r, r, d).permute(0, 1, 3, 2, 4, 5).reshape(n, (g // r) ** 2, r * r * d)
         return x
+
+
+FP8_MIN_FEATURES = 1024
+"""Below this width an FP8 GEMM gains less than its casts cost."""
+
+
+def fp8_eligible(module: nn.Module, excluded_prefixes: tuple[str, ...], name: str,
+                 excluded_suffixes: tuple[str, ...] = ()) -> bool:
+    """The rule both policies' FP8 filters share: an ``nn.Linear`` not excluded by name, both dimensions multiples
+    of 16 (the FP8 GEMM's tile constraint) and at least ``FP8_MIN_FEATURES`` wide."""
+    if not isinstance(module, nn.Linear) or name.startswith(excluded_prefixes) or name.endswith(excluded_suffixes):
+        return False
+    out_features, in_features = module.weight.shape
+    return in_features % 16 == 0 and out_features % 16 == 0 and min(in_features, out_features) >= FP8_MIN_FEATURES
+

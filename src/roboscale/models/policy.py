@@ -196,24 +196,32 @@ class Policy(nn.Module):
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(path, f"not a readable safetensors file ({exc})") from None
         state = self.upgrade_state_dict(state)
+        self.check_state_dict(state, path)
+        self.load_state_dict(state, strict=True)
+
+    def check_state_dict(self, state: Mapping[str, torch.Tensor], path: Path, optional: frozenset[str] = frozenset()
+                         ) -> None:
+        """Every tensor present with the shape the config implies (``optional`` ones may be absent), or one
+        CheckpointError listing the misfits and, where the policy knows them, the config fields that set those
+        shapes."""
         own = self.state_dict()
-        missing = sorted(set(own) - set(state))
+        missing = sorted(set(own) - set(state) - optional)
         unexpected = sorted(set(state) - set(own))
         misfits = [k for k in own if k in state and state[k].shape != own[k].shape]
-        if missing or unexpected or misfits:
-            parts = []
-            if misfits:
-                parts.append("shape mismatch: " + "; ".join(
-                    f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(own[k].shape)}" for k in misfits[:5]))
-            if missing:
-                parts.append(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-            if unexpected:
-                parts.append(f"unexpected tensors: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-            fields = self.shape_fields(misfits)
-            hint = (f" The fields of config.json that set those shapes are {fields}; restore the values the "
-                    "checkpoint was trained with." if fields else " Was config.json edited?")
-            raise CheckpointError(path, "weights do not match config.json (" + "; ".join(parts) + ")." + hint)
-        self.load_state_dict(state, strict=True)
+        if not (missing or unexpected or misfits):
+            return
+        parts = []
+        if misfits:
+            parts.append("shape mismatch: " + "; ".join(
+                f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(own[k].shape)}" for k in misfits[:5]))
+        if missing:
+            parts.append(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        fields = self.shape_fields(misfits)
+        hint = (f" The fields of config.json that set those shapes are {fields}; restore the values the "
+                "checkpoint was trained with." if fields else " Was config.json edited?")
+        raise CheckpointError(path, "weights do not match config.json (" + "; ".join(parts) + ")." + hint)
 
     def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensor names of older checkpoints -> today's (normalizer statistics were saved as ``a``/``b``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import warnings
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,12 @@ import numpy as np
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.sim.metaworld import ACTION_DIM, FPS, STATE_DIM, MetaWorldEnv, RenderConfig, resolve_tasks
+
+# MetaWorld's scripted experts are proportional controllers with gains above 1 and warn, on every step that
+# saturates, that the environment clips their action to [-1, 1]. The clipping is what they are written for, and a
+# demo printed that warning dozens of times: silence exactly that message (in this process and in the expert
+# workers, which import this module).
+warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning)
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ from roboscale.models.groot.config import GrootConfig
 from roboscale.models.groot.head import FlowMatchingActionHead
 from roboscale.models.groot.transform import TOKENS, TOKENS_MASK, GrootCollate, GrootTransform
 from roboscale.models.groot.vlm import EagleVLM, VLLayout
+from roboscale.models.layers import fp8_eligible
 from roboscale.models.normalize import Normalizer
 from roboscale.models.policy import Encoded, Policy
 from roboscale.models.tokenizer import TaskTokenizer
@@ -243,15 +244,11 @@ class GrootPolicy(Policy):
 _FP8_EXCLUDED = ("vlm.vision.patch_embed", "vlm.projector", "action_head.state_encoder", "action_head.action_encoder",
                  "action_head.action_decoder", "action_head.dit.timestep_encoder", "action_head.dit.proj_out")
 _FP8_EXCLUDED_SUFFIXES = (".norm1.linear",)
-FP8_MIN_FEATURES = 1024
 
 
 def fp8_filter(name: str, module: nn.Module) -> bool:
     """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``)."""
-    if not isinstance(module, nn.Linear) or name.startswith(_FP8_EXCLUDED) or name.endswith(_FP8_EXCLUDED_SUFFIXES):
-        return False
-    out_features, in_features = module.weight.shape
-    return in_features % 16 == 0 and out_features % 16 == 0 and min(in_features, out_features) >= FP8_MIN_FEATURES
+    return fp8_eligible(module, _FP8_EXCLUDED, name, _FP8_EXCLUDED_SUFFIXES)
 
 
 def layout_of(policy: GrootPolicy, batch: dict[str, Any]) -> VLLayout:

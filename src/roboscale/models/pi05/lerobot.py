@@ -259,19 +259,9 @@ def load_lerobot_pi05(
     state = (read_state or (lambda p: load_file(str(p))))(weights)
     policy = Pi05Policy(config, tokenizer)
     ours = from_lerobot(state, config, weights)
-    own = policy.state_dict()
     # Normalization statistics are not weights in LeRobot: they come from its processor files below.
-    buffers = {k for k in own if k.startswith(("state_normalizer.", "action_normalizer."))}
-    mismatched = [
-        f"{k}: checkpoint {tuple(v.shape)} vs config {tuple(own[k].shape)}"
-        for k, v in ours.items()
-        if k in own and v.shape != own[k].shape
-    ]
-    missing = sorted(set(own) - set(ours) - buffers)
-    if mismatched or missing:
-        raise CheckpointError(
-            weights, f"does not fit the pi0.5 config (shape mismatch: {mismatched[:3]}; missing: {missing[:5]})"
-        )
+    buffers = frozenset(k for k in policy.state_dict() if k.startswith(("state_normalizer.", "action_normalizer.")))
+    policy.check_state_dict(ours, weights, optional=buffers)
     policy.load_state_dict(ours, strict=False)
     stats = _normalizer_stats(directory)
     for normalizer, feature in ((policy.state_normalizer, config.state_key), (policy.action_normalizer, config.action_key)):

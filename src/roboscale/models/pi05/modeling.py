@@ -48,7 +48,15 @@ from roboscale.models.attention import (
     varlen_attention,
 )
 from roboscale.models.flow_matching import FlowMatching
-from roboscale.models.layers import AdaRMSNorm, GatedMLP, RMSNorm, VisionTransformer, rotary_tables, sinusoidal_embedding
+from roboscale.models.layers import (
+    AdaRMSNorm,
+    GatedMLP,
+    RMSNorm,
+    VisionTransformer,
+    fp8_eligible,
+    rotary_tables,
+    sinusoidal_embedding,
+)
 from roboscale.models.normalize import Normalizer
 from roboscale.models.pi05.config import STATE_INPUTS, Pi05Config
 from roboscale.models.pi05.layout import PackCollate, PrefixSpec
@@ -415,20 +423,18 @@ class Pi05Policy(Policy):
         return self.action_out_proj(h)
 
 
-# The Linear layers FP8 training leaves in full precision: the vision stem (few, tiny-K convolutions' neighbours),
-# the first and last layers of the flow (their error reaches the actions unfiltered) and any projection whose
-# dimensions are not multiples of 16 (the FP8 GEMM's tile constraint) or too small to gain.
-_FP8_EXCLUDED = ("vision.patch_embed", "vision.stem", "projector", "state_proj", "action_in_proj", "action_out_proj",
-                 "time_mlp", "embed_tokens")
-FP8_MIN_FEATURES = 1024
+# The Linear layers FP8 training leaves in full precision: the vision stem and the projector into the language
+# model, the first and last layers of the flow (the action in/out projections and the time MLP: their error reaches
+# the actions unfiltered) and the adaRMSNorm modulations (one row per sample: nothing to gain, and their error
+# scales every token of a layer); the shared rule (``fp8_eligible``) leaves out narrow and misaligned layers.
+_FP8_EXCLUDED = ("vision.patch_embed", "projector", "state_proj", "action_in_proj", "action_out_proj", "time_mlp",
+                 "embed_tokens")
+_FP8_EXCLUDED_SUFFIXES = ("norm.modulation",)
 
 
 def fp8_filter(name: str, module: nn.Module) -> bool:
     """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``)."""
-    if not isinstance(module, nn.Linear) or name.startswith(_FP8_EXCLUDED):
-        return False
-    out_features, in_features = module.weight.shape
-    return in_features % 16 == 0 and out_features % 16 == 0 and min(in_features, out_features) >= FP8_MIN_FEATURES
+    return fp8_eligible(module, _FP8_EXCLUDED, name, _FP8_EXCLUDED_SUFFIXES)
 
 
 def random_shift(images: torch.Tensor, pad: int) -> torch.Tensor:

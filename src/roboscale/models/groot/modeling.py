@@ -216,7 +216,7 @@ class GrootPolicy(Policy):
         state = self.state_normalizer.normalize(batch[cfg.state_key].float().to(device))
         state_features = self.action_head.state_encoder(state[:, None], embodiment)
         actions = action_mask = None
-        if cfg.action_key in batch:
+        if cfg.action_key in batch and not cache:  # an observation's actions (a dataset row) are not targets
             actions = self.action_normalizer.normalize(batch[cfg.action_key].float().to(device))
             pad_key = f"{cfg.action_key}_is_pad"
             if cfg.action_loss_mask and pad_key in batch:

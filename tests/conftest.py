@@ -12,6 +12,14 @@ import torch  # noqa: E402
 
 torch.set_num_threads(2)
 
+
+def tiny_policy_args(policy: str = "pi05", **overrides) -> list[str]:
+    """Command-line options for a policy at its "tiny" preset (milliseconds per step), plus ``overrides``."""
+    from roboscale.models.registry import get_spec
+
+    options = {**get_spec(policy).presets["tiny"], **overrides}
+    return [f"--policy.type={policy}", *(f"--policy.{k}={v}" for k, v in options.items())]
+
 TASKS = ["Rotate the faucet clockwise", "Open a drawer"]
 
 

@@ -6,11 +6,9 @@ import sys
 
 import pytest
 
-TINY_POLICY = [
-    "--policy.image_size=32", "--policy.vit_dim=32", "--policy.vit_depth=1", "--policy.vit_heads=2",
-    "--policy.width=48", "--policy.depth=2", "--policy.num_heads=2", "--policy.head_dim=16", "--policy.mlp_dim=64",
-    "--policy.expert_width=32", "--policy.expert_mlp_dim=48", "--policy.chunk_size=8", "--policy.n_action_steps=4",
-]  # fmt: skip
+from tests.conftest import tiny_policy_args
+
+TINY_POLICY = tiny_policy_args("pi05", chunk_size=8, n_action_steps=4)
 
 
 def roboscale(*args, check=True):
@@ -63,8 +61,7 @@ def test_groot_trains_and_evaluates_from_the_cli(tmp_path):
     data, run, report = tmp_path / "data", tmp_path / "run", tmp_path / "eval"
     roboscale("data", "generate", "--tasks=[reach]", "--episodes_per_task=2", f"--out={data}", "--image_size=32",
               "--workers=1")
-    tiny = [f"--policy.{k}={v}" for k, v in GROOT_PRESETS["tiny"].items()]
-    out = roboscale("train", "--policy.type=groot", *tiny, f"--dataset.root={data}", f"--output_dir={run}",
+    out = roboscale("train", *tiny_policy_args("groot"), f"--dataset.root={data}", f"--output_dir={run}",
                     "--steps=4", "--batch_size=8").stdout
     assert "final checkpoint" in out
     config = json.loads((run / "checkpoints" / "last" / "pretrained_model" / "config.json").read_text())

@@ -16,14 +16,10 @@ from pathlib import Path
 
 from roboscale.cli import main
 from roboscale.errors import RoboscaleError, one_line
+from tests.conftest import tiny_policy_args
 
 # A policy small enough that one training step is a fraction of a second.
-TINY_PI05 = [
-    "--policy.image_size=32", "--policy.vit_patch_size=8", "--policy.vit_dim=32", "--policy.vit_depth=1",
-    "--policy.vit_heads=2", "--policy.width=48", "--policy.depth=2", "--policy.num_heads=2", "--policy.head_dim=16",
-    "--policy.mlp_dim=64", "--policy.expert_width=32", "--policy.expert_mlp_dim=48", "--policy.chunk_size=4",
-    "--policy.n_action_steps=2",
-]  # fmt: skip
+TINY_PI05 = tiny_policy_args("pi05", chunk_size=4, n_action_steps=2)
 
 
 @dataclass

@@ -95,7 +95,6 @@ class RawSource:
         self.column_cache_episodes = column_cache_episodes
         self.decode_threads = decode_threads
         self._decoders = DecoderPool(max_open=max_open_videos)
-        self._unreadable: dict[int, str] | None = None
         self._reset_handles()
 
     # ------------------------------------------------------------------ FrameSource
@@ -114,11 +113,8 @@ class RawSource:
     def unreadable_episodes(self) -> dict[int, str]:
         from roboscale.data.lerobot.validate import bad_episodes
 
-        if self._unreadable is None:  # once per source: the trainer checks before it builds the policy and loader
-            selected = set(self._ids.tolist())
-            self._unreadable = {ep: why for ep, why in bad_episodes(self.root, tolerance_s=self.tolerance_s).items()
-                                if ep in selected}
-        return dict(self._unreadable)
+        selected = set(self._ids.tolist())
+        return {ep: why for ep, why in bad_episodes(self.root, tolerance_s=self.tolerance_s).items() if ep in selected}
 
     def data_path(self, episode: int) -> Path:
         return self.root / self._data_paths[self._data_file[episode]]

@@ -8,6 +8,8 @@ Training step (fwd + bwd), real tokens/s, speed-ups against LeRobot's eager dens
     padded + eager (LeRobot) | padded + dense SDPA | padded + key-mask SDPA |
     packed + varlen (flash) | packed + flex (compiled) | packed + sdpa (per segment)
 Inference (one chunk, 10 Euler steps): prefix KV cache vs recomputing the prefix every step (packed, auto).
+bf16 vs FP8 (torchao float8, benchmarks/fp8.py): a pi0.5 layer stack and the GR00T-N1.5 stack, one training step
+each (fwd + bwd + AdamW): ms, tokens/s, peak memory, FP8/bf16 speed-up of the step and of its large GEMMs alone.
 
 A variant that cannot run here (no varlen kernel in this torch, a compile failure, out of memory) prints its
 error and a "-" row; the others still run.
@@ -15,6 +17,10 @@ error and a "-" row; the others still run.
     python benchmarks/gpu_suite.py                           # CUDA, full width, 18 layers
     python benchmarks/gpu_suite.py --layers 6 --samples 8    # a representative layer stack, faster
     python benchmarks/gpu_suite.py --dry-run                 # CPU, tiny widths, checks the script end to end
+    python benchmarks/gpu_suite.py --only-fp8                # the bf16 vs FP8 section alone
+
+Time on one H200 (estimate, not measured yet): the packing/attention/inference sections ~3-4 min, the FP8
+section ~2 min (two stacks eager, 8 GEMM shapes compiled twice each); --fp8-compile adds ~2-3 min of compiling.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import inference_fns  # noqa: E402
+from fp8 import add_arguments as add_fp8_arguments  # noqa: E402
+from fp8 import run_fp8_section  # noqa: E402
 from packing import Shape, bench_config, layouts, make_samples, measure, print_table, train_step  # noqa: E402
 
 from roboscale.models import attention as attn  # noqa: E402
@@ -75,6 +83,9 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny widths, fp32, 1 step: checks the script")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of skipped variants")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-fp8", action="store_true", help="leave out the bf16 vs FP8 section")
+    parser.add_argument("--only-fp8", action="store_true", help="run the bf16 vs FP8 section alone")
+    add_fp8_arguments(parser)
     args = parser.parse_args()
     if args.dry_run:
         device, autocast, clock = torch.device("cpu"), None, "cpu"
@@ -86,6 +97,16 @@ def main() -> None:
         device, autocast, clock = torch.device("cuda"), torch.bfloat16, "wall"
         torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
+    if not args.only_fp8:
+        packing_sections(args, device, autocast, clock)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the full pi0.5 is gone; the FP8 stacks build their own
+    if not args.skip_fp8:
+        run_fp8_section(args)
+
+
+def packing_sections(args: argparse.Namespace, device: torch.device, autocast, clock: str) -> None:
+    """Packing and attention (training step) and the prefix KV cache (inference) on pi0.5."""
     if args.preset == "full":
         cfg = full_config(args.layers)
         shape = Shape(vocab=cfg.vocab_size, image_size=cfg.image_size, chunk=cfg.chunk_size)

@@ -14,6 +14,12 @@ sample (main process + workers, after a warm-up), and the ratios against (a), al
 
     .venv/bin/python benchmarks/loader.py                  # generates the dataset once (~1-2 min), then ~2 min
     .venv/bin/python benchmarks/loader.py --image-size 480 # cameras at 480² in the raw files (the lake: 224²)
+    .venv/bin/python benchmarks/loader.py --elastic        # the cost of elastic batches: (b) on rank 0 of 1 and of 4
+
+``--elastic``: the global batch of 32 is split over ranks (``roboscale.data.loading.plan``); rank 0 of 4 reads 8
+samples of each batch, a quarter of each block. Reports, side by side in one run, rank 0's CPU-seconds and decode
+seconds per sample at world size 1 and 4 (their ratio is what elasticity costs per sample), and from the plan alone
+the runs of consecutive frames (decoder seeks) per decoded sample at world sizes 1-8.
 
 The dataset (MetaWorld, 2 tasks x 10 episodes, 2 cameras at 224² or ``--image-size``) and its lake are cached
 under outputs/bench/ (gitignored). Each configuration runs in a fresh process so caches and workers do not carry over.
@@ -142,13 +148,30 @@ def _paths(size: int) -> tuple[Path, Path]:
     return CACHE / f"metaworld-{size}", CACHE / f"metaworld-{size}-lake"
 
 
-def _our_batches(source: Path, fps: float):
+def _our_batches(source: Path, fps: float, world_size: int = 1):
     from roboscale.data.loading.loader import build_loader
 
     loader = build_loader(source, batch_size=BATCH, num_workers=WORKERS, keys=[*CAMERAS, STATE, ACTION],
-                          delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]}, seed=0)
+                          delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]}, seed=0, rank=0,
+                          world_size=world_size)
     next(loader)  # start the workers
     return loader, (lambda: [w.pid for w in loader._iter._workers]), loader.close
+
+
+def seeks_per_sample(source: Path, world_size: int, epochs: int = 2) -> float:
+    """Runs of consecutive frames (a decoder seek each, per camera) per sample rank 0 decodes, from the plan."""
+    from roboscale.data.loading.loader import build_loader
+
+    loader = build_loader(source, batch_size=BATCH, num_workers=0, keys=[STATE], seed=0, world_size=world_size)
+    runs = samples = 0
+    for epoch in range(epochs):
+        order = loader._plan.epoch(epoch)
+        for block in range(len(order.block_start) - 1):
+            ids = np.sort(order.share(block, 0, world_size))
+            ep, fr = loader.sample_index.locate(ids)
+            runs += 1 + int(np.sum((np.diff(ep) != 0) | (np.diff(fr) != 1)))
+            samples += len(ids)
+    return runs / samples
 
 
 # --------------------------------------------------------------------------------------------------- measuring
@@ -159,28 +182,32 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(which: str, warmup: int, batches: int, size: int) -> dict:
+def measure(which: str, warmup: int, batches: int, size: int, world_size: int = 1) -> dict:
     dataset, lake = _paths(size)
     if which == "a":
         it, pids, close = _lerobot_batches(dataset)
     else:
         fps = json.loads((dataset / "meta/info.json").read_text())["fps"]
-        it, pids, close = _our_batches(dataset if which == "b" else lake, fps)
+        it, pids, close = _our_batches(dataset if which == "b" else lake, fps, world_size)
     for _ in range(warmup):
         next(it)
     workers = pids()
-    cpu0 = time.process_time() + sum(_cpu_of(p) for p in workers)
+    main0, workers0 = time.process_time(), sum(_cpu_of(p) for p in workers)
     t0 = time.perf_counter()
     n = 0
     for _ in range(batches):
         batch = next(it)
         n += len(batch["task"])
     wall = time.perf_counter() - t0
-    cpu = time.process_time() + sum(_cpu_of(p) for p in workers) - cpu0
+    main_cpu, workers_cpu = time.process_time() - main0, sum(_cpu_of(p) for p in workers) - workers0
+    cpu = main_cpu + workers_cpu
     side = LAKE_SIZE if which == "c" else size
     assert batch[ACTION].shape[1:] == (CHUNK, batch[ACTION].shape[-1]) and batch[CAMERAS[0]].shape[-1] == side
+    stats = it.stats() if hasattr(it, "stats") else {}  # decode: every block received, warm-up included
     close()
-    return {"samples": n, "wall_s": wall, "cpu_s": cpu}
+    return {"samples": n, "wall_s": wall, "cpu_s": cpu, "main_cpu_s": main_cpu, "workers_cpu_s": workers_cpu,
+            "decode_s": stats.get("decode_s", 0.0),
+            "decoded": stats.get("decoded_samples", 1)}
 
 
 # --------------------------------------------------------------------------------------------------- driver
@@ -215,14 +242,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=224,
                         help="camera side of the raw dataset (the lake always holds 224²: the policy's resolution)")
+    parser.add_argument("--elastic", action="store_true", help="the cost of elastic batches (see above)")
     parser.add_argument("--one", choices=["a", "b", "c"], help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         batches = args.baseline_batches if args.one == "a" else args.batches
-        print(json.dumps(measure(args.one, args.warmup, batches, args.image_size)))
+        print(json.dumps(measure(args.one, args.warmup, batches, args.image_size, args.world_size)))
         return
 
     ensure_dataset(args.image_size)
+    if args.elastic:
+        elastic(args)
+        return
     have_lake = ensure_lake(args.image_size)
     results = {}
     for which in ["a", "b"] + (["c"] if have_lake else []):
@@ -255,6 +287,34 @@ def main() -> None:
     print(f"ratios measured side by side in this run: (b)/(a) = "
           f"{results['b']['samples'] / results['b']['wall_s'] / base:.1f}x"
           + (f", (c)/(a) = {results['c']['samples'] / results['c']['wall_s'] / base:.1f}x" if "c" in results else ""))
+
+
+def elastic(args: argparse.Namespace) -> None:
+    """Rank 0 of world size 1 and 4 on the raw dataset, the same global batches (each in a fresh process)."""
+    dataset, _ = _paths(args.image_size)
+    results = {}
+    for world_size in (1, 4):
+        # the same number of samples for rank 0 of 4: 4x the batches of a quarter of the size
+        out = subprocess.run([sys.executable, __file__, "--one", "b", "--batches", str(args.batches * world_size),
+                              "--warmup", str(args.warmup * world_size), "--image-size", str(args.image_size),
+                              "--world-size", str(world_size)], check=True, capture_output=True, text=True)
+        results[world_size] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{os.cpu_count()} cores; global batch {BATCH}, {WORKERS} workers, block 256 samples, chunks of 16 frames; "
+          f"2 cameras {args.image_size}² AV1 + state + {CHUNK}-step action chunk; rank 0 measured")
+    print("| world size | rank 0 samples/batch | samples/s | CPU-s / sample | workers | main process | "
+          "decode wall-s / sample |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for w, r in results.items():
+        n = r["samples"]
+        print(f"| {w} | {BATCH // w} | {n / r['wall_s']:,.0f} | {r['cpu_s'] / n * 1e3:.2f} ms | "
+              f"{r['workers_cpu_s'] / n * 1e3:.2f} ms | {r['main_cpu_s'] / n * 1e3:.2f} ms | "
+              f"{r['decode_s'] / r['decoded'] * 1e3:.2f} ms |")
+    ratio = {key: results[4][key] / results[4]["samples"] / (results[1][key] / results[1]["samples"])
+             for key in ("cpu_s", "workers_cpu_s", "main_cpu_s")}
+    print(f"ratios W=4 / W=1 per sample, measured side by side in this run: CPU-s {ratio['cpu_s']:.2f}x (workers "
+          f"{ratio['workers_cpu_s']:.2f}x, main process {ratio['main_cpu_s']:.2f}x)")
+    print("runs of consecutive frames (decoder seeks) per decoded sample, from the plan (2 epochs): " + ", ".join(
+        f"W={w}: {seeks_per_sample(dataset, w):.4f}" for w in (1, 2, 4, 8)))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ class PackedBatch:
     actions_is_pad: torch.Tensor | None = None
     episode_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     frame_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    sample_seed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    """long [B]: the loader's per-sample seeds for the objective's random draws (empty: none)."""
 
     @property
     def num_samples(self) -> int:

@@ -117,7 +117,15 @@ def _train(argv: list[str]) -> None:
 
     # `--skip-bad-episodes`: the spelling users know from dataset tools, for --dataset.skip_bad_episodes=true
     argv = ["--dataset.skip_bad_episodes=true" if a == "--skip-bad-episodes" else a for a in argv]
-    print(f"final checkpoint: {train(parse_train_args(argv))}")
+    cfg = parse_train_args(argv)
+    if cfg.launcher == "ray":
+        from roboscale.train.ray_launcher import train_on_ray
+
+        final = train_on_ray(cfg)
+    else:
+        final = train(cfg)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one line, not one per rank
+        print(f"final checkpoint: {final}")
 
 
 def _eval(argv: list[str]) -> None:
@@ -140,6 +148,25 @@ def _model_info(argv: list[str]) -> None:
     if argv and not argv[0].startswith("-"):  # `roboscale model info pi05`
         argv = [f"--policy={argv[0]}", *argv[1:]]
     print(model_info(parse(ModelInfoConfig, argv, prog="roboscale model info")))
+
+
+def _export(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.configs.model import ExportConfig
+    from roboscale.train.export import export_checkpoint
+
+    cfg = parse(ExportConfig, argv, prog="roboscale export", positional=("checkpoint",))
+    if not cfg.checkpoint or not cfg.output:
+        raise ConfigError("usage: roboscale export CHECKPOINT --output DIR")
+    print(f"exported to {export_checkpoint(cfg.checkpoint, cfg.output)}")
+
+
+def _plan(argv: list[str]) -> None:
+    from roboscale.configs.plan import parse_plan_args
+    from roboscale.plan.report import render
+    from roboscale.plan.run import make_plan
+
+    print(render(make_plan(parse_plan_args(argv))))
 
 
 def _demo(argv: list[str]) -> None:
@@ -166,7 +193,9 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "verify": Command("check a lake's manifest and every shard checksum", _lake_verify),
     },
     "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
+    "export": Command("write a checkpoint's consolidated policy (pretrained_model) to a directory", _export),
     "eval": Command("evaluate a checkpoint in closed loop in MetaWorld", _eval),
+    "plan": Command("predict step time, communication, data rate and scaling of a policy over GPU counts", _plan),
     "demo": Command("generate demos, train, evaluate: the whole loop on the embedded default", _demo),
 }
 

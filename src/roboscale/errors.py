@@ -56,6 +56,10 @@ class CheckpointError(RoboscaleError, ValueError):
         super().__init__(f"{path}: {message}")
 
 
+class TrainingError(RoboscaleError, RuntimeError):
+    """Training cannot go on: losses that stay NaN/Inf, a rank that failed."""
+
+
 class WorkerError(RoboscaleError, RuntimeError):
     """A worker process (an evaluation worker, a simulator) died or failed on something that is not the user's."""
 

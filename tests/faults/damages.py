@@ -33,10 +33,16 @@ class Damage:
     what: str
     """One line for docs/reliability.md."""
     apply: Callable[[Path], None]
-    bad: frozenset[int] | None
+    bad: frozenset[int] | Callable[[Path], frozenset[int]] | None
+    """The episodes the damage makes unreadable, or how to find them in the pristine dataset (which episodes share
+    a video file depends on the encoder's output sizes, so the file layout is looked up, not assumed)."""
     found: str = "upfront"
     expect: dict[str, str] = field(default_factory=dict)
     """Outcomes that differ from the defaults of the entry points (see test_dataset_faults.py)."""
+
+    def bad_episodes(self, pristine: Path) -> frozenset[int]:
+        assert self.bad is not None
+        return self.bad(pristine) if callable(self.bad) else self.bad
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -48,6 +54,16 @@ def _data_file(root: Path, episode: int) -> Path:
 
 def _video_file(root: Path, episode: int, key: str) -> Path:
     return RawSource(root).video_location(episode, key)[0]
+
+
+def _sharing_video_file(episode: int, key: str) -> Callable[[Path], frozenset[int]]:
+    """The episodes stored in the same video file as ``episode``'s ``key`` camera."""
+    def find(root: Path) -> frozenset[int]:
+        source = RawSource(root)
+        path = _video_file(root, episode, key)
+        return frozenset(ep for ep in range(len(source.episode_lengths)) if _video_file(root, ep, key) == path)
+
+    return find
 
 
 def _edit_table(path: Path, edit: Callable[[pa.Table], pa.Table]) -> None:
@@ -196,10 +212,12 @@ DAMAGES: list[Damage] = [
            "camera's mp4 (the mp4 stays valid)", corrupt_episode_end_in_video, frozenset({1})),
     Damage("video-episode-middle-corrupted", "random bytes over the packets of frames 3-4 of episode 1 in the front "
            "camera's mp4", corrupt_episode_middle_in_video, frozenset({1}), found="read"),
-    Damage("video-truncated", "the front camera's second mp4 (episodes 3-4) cut to 200 bytes", truncate_video,
-           frozenset({3, 4})),
-    Damage("video-deleted", "the wrist camera's first mp4 (episodes 0-2) deleted", delete_video,
-           frozenset({0, 1, 2})),
+    Damage("video-truncated",
+           "the front camera's mp4 holding episode 3 (and the episodes it shares the file with) cut to 200 bytes",
+           truncate_video, _sharing_video_file(3, FRONT)),
+    Damage("video-deleted", "the wrist camera's first mp4 (episode 0 and the episodes it shares the file with) deleted",
+           delete_video,
+           _sharing_video_file(0, WRIST)),
     Damage("data-file-deleted", "episode 2's data parquet deleted", delete_data_file, frozenset({2})),
     Damage("data-file-truncated", "episode 3's data parquet cut in half (no footer)", truncate_data_file,
            frozenset({3})),

@@ -17,7 +17,7 @@ import pytest
 
 from roboscale.data.loading.loader import build_loader
 from roboscale.data.loading.worker import LoaderError
-from roboscale.errors import CheckpointError, WorkerError
+from roboscale.errors import WorkerError
 
 from .entry_points import TINY_PI05, run_cli
 
@@ -110,7 +110,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_a_rerun_recover
     from roboscale.train.checkpoint import step_directories
 
     disk = tmp_path / "disk"
-    with _small_disk(disk, "1600k", mount=disk_kind == "tmpfs") as mounted:
+    with _small_disk(disk, "5000k", mount=disk_kind == "tmpfs") as mounted:
         run = disk / "run"
         args = ["train", f"--dataset.root={tiny_dataset}", f"--output_dir={run}", "--steps=6", "--save_freq=1",
                 "--batch_size=4", "--checkpoint.keep_last=0", *TINY_PI05]

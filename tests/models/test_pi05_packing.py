@@ -46,29 +46,31 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients():
     _assert_same(_loss_and_grads(policy, packed), _loss_and_grads(policy, padded))
 
 
-def test_token_budget_micro_batches_give_the_whole_batchs_loss_and_gradients(monkeypatch):
-    from roboscale.models.flow_matching import FlowMatching
-    from roboscale.train.trainer import accumulate_gradients
-
-    # flow time and noise as functions of each sample (not of its place in a batch), so both splits draw alike
-    monkeypatch.setattr(FlowMatching, "sample_time", lambda self, b, device: torch.full((b,), 0.6, device=device))
-    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.sin(3 * x + 1))
+def test_token_budget_micro_batches_give_the_whole_batchs_loss_and_gradients():
+    """Each sample draws its flow time and noise from its own seed (the loader's ``sample_seed``), so a split into
+    micro-batches draws exactly what the whole batch draws; weighting each micro-batch's loss by its weight and
+    dividing by the total gives the whole batch's loss and gradients (what the trainer does over micro-batches
+    and ranks)."""
     policy = tiny_policy(packing=True)
     transform, _ = policy.data_transforms()
-    samples = [transform(s) for s in sample_dicts(6)]  # unequal prompts, some padded actions
+    samples = [transform({**s, "sample_seed": 1000 + i}) for i, s in enumerate(sample_dicts(6))]
     spec = policy.prefix_spec()
     whole = collate(samples, spec, packed=True)
+    assert whole.sample_seed.tolist() == list(range(1000, 1006))
     budget = max(spec.sample_tokens(s) for s in samples) + 8
     micro = PackCollate(spec, packed=True, budget=budget)(samples)
     assert len(micro) >= 3 and all(m.real_tokens <= budget for m in micro)
     assert sorted(torch.cat([m.episode_index for m in micro]).tolist()) == sorted(whole.episode_index.tolist())
     loss, grads = _loss_and_grads(policy, whole)
     policy.zero_grad()
-    metrics = accumulate_gradients(policy, micro, flow_matching_loss)
-    torch.testing.assert_close(torch.tensor(float(metrics["loss"])), loss, rtol=1e-5, atol=1e-7)
-    assert metrics["tokens"] == whole.real_tokens and "loss_weight" not in metrics
+    total, weighted = 0.0, 0.0
+    for part in micro:
+        micro_loss, metrics = flow_matching_loss(policy, part)
+        (micro_loss * metrics["loss_weight"]).backward()
+        total, weighted = total + metrics["loss_weight"], weighted + micro_loss.detach() * metrics["loss_weight"]
+    torch.testing.assert_close(weighted / total, loss, rtol=1e-5, atol=1e-7)
     for name, p in policy.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(p.grad / total, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "dense", "eager"])

@@ -40,7 +40,7 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_dataset,
         assert (final / name).is_file()
     policy = Policy.from_pretrained(final)
     assert policy.config.image_keys == ["observation.images.corner2", "observation.images.wrist"]
-    assert json.loads((final.parent / "training_state" / "training_step.json").read_text())["step"] == 60
+    assert json.loads((final.parent / "training_state" / "trainer_state.json").read_text())["step"] == 60
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -122,16 +122,16 @@ def test_training_logs_data_wait_and_hands_the_policys_data_transforms_to_the_lo
 
 
 def test_a_token_budget_trains_on_micro_batches_built_in_the_workers(tiny_dataset, tmp_path, monkeypatch):
-    import roboscale.train.trainer as trainer
+    from roboscale.train.trainer import Trainer
 
     seen = []
-    accumulate = trainer.accumulate_gradients
+    micro_batches = Trainer.micro_batches
 
-    def spy(policy, batch, objective):
+    def spy(self, batch):
         seen.append(len(batch) if isinstance(batch, list) else 0)
-        return accumulate(policy, batch, objective)
+        return micro_batches(self, batch)
 
-    monkeypatch.setattr(trainer, "accumulate_gradients", spy)
+    monkeypatch.setattr(Trainer, "micro_batches", spy)
     cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=5)
     cfg.policy.packing, cfg.policy.pack_token_budget = True, 100  # 16 samples of ~18 tokens: 3 micro-batches
     cfg.dataset.num_workers = 1  # lists of PackedBatches cross the worker boundary
@@ -286,3 +286,59 @@ def test_a_second_training_into_the_same_output_dir_is_refused(tiny_dataset, tmp
         holder.kill()
         holder.wait()
     train(tiny_train_config(tiny_dataset, out, steps=1), progress=False)  # the kernel dropped the dead one's lock
+
+
+def _poison(monkeypatch, steps: set[int] | None) -> None:
+    """Make the objective's gradients NaN at the given optimizer steps (1-based; None: every step)."""
+    from roboscale.train.trainer import Trainer
+
+    build = Trainer.build
+
+    def build_then_poison(self):
+        build(self)
+        objective = self.objective
+
+        def poisoned(policy, batch):
+            loss, metrics = objective(policy, batch)
+            if steps is None or self.step + 1 in steps:
+                loss = loss * float("nan")
+            return loss, metrics
+
+        self.objective = poisoned
+
+    monkeypatch.setattr(Trainer, "build", build_then_poison)
+
+
+def test_a_nonfinite_step_is_skipped_and_counted(tiny_dataset, tmp_path, monkeypatch):
+    _poison(monkeypatch, {3})
+    cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=6)
+    cfg.log_freq = 1
+    final = train(cfg, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]
+    assert all(torch.isfinite(t).all() for t in load_file(str(final / "model.safetensors")).values())
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run_naming_the_step(tiny_dataset, tmp_path, monkeypatch):
+    from roboscale.errors import TrainingError
+
+    _poison(monkeypatch, None)
+    cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=10)
+    cfg.max_nonfinite_steps = 3
+    with pytest.raises(TrainingError, match=r"^step 3: loss or gradient norm not finite in 3 steps in a row"):
+        train(cfg, progress=False)
+
+
+def test_fine_tuning_starts_from_the_pretrained_weights(tiny_dataset, tmp_path):
+    pretrained = train(tiny_train_config(tiny_dataset, tmp_path / "pretrain", steps=40), progress=False)
+    scratch = tiny_train_config(tiny_dataset, tmp_path / "scratch", steps=2)
+    scratch.log_freq = 1
+    train(scratch, progress=False)
+    tuned = tiny_train_config(tiny_dataset, tmp_path / "tuned", steps=2)
+    tuned.log_freq = 1
+    tuned.policy.pretrained_path = str(pretrained)
+    final = train(tuned, progress=False)
+    first = {name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+             for name in ("scratch", "tuned")}
+    assert first["tuned"] < 0.7 * first["scratch"]
+    assert Policy.from_pretrained(final).config.pretrained_path == str(pretrained)

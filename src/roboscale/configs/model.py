@@ -15,3 +15,14 @@ class ModelInfoConfig:
     """Named size: full (the published architecture), demo (the CPU demo) or tiny (unit tests)."""
     overrides: dict[str, str] = field(default_factory=dict)
     """Config fields to change on top of the preset, e.g. {depth: 12}."""
+
+
+@dataclass
+class ExportConfig:
+    """`roboscale export CHECKPOINT --output DIR`: a checkpoint's consolidated policy as a standalone directory."""
+
+    checkpoint: str = ""
+    """A training output directory (its last checkpoint), a step directory (checkpoints/000500) or a
+    pretrained_model directory."""
+    output: str = ""
+    """The directory to write (config.json, model.safetensors, tokenizer.json); must not exist yet."""

@@ -56,7 +56,7 @@ class OptimizerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoint retention."""
+    """Checkpoint saving and retention."""
 
     keep_last: int = 3
     """Keep this many most recent checkpoints (0: all); `last` (and the best evaluated one) are always kept."""
@@ -64,6 +64,51 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.keep_last < 0:
             raise ConfigError(f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
+
+
+STRATEGIES = ("auto", "none", "ddp", "fsdp", "hsdp")
+
+
+@dataclass
+class ParallelConfig:
+    """How the policy is spread over the data-parallel ranks (a device mesh of dp_replicate x dp_shard)."""
+
+    strategy: str = "auto"
+    """auto (none for one rank, else fsdp) | none | ddp (replicated weights, all-reduced gradients) | fsdp (FSDP2:
+    parameters, gradients and optimizer state sharded over all ranks, per block) | hsdp (sharded within
+    dp_shard ranks, replicated across dp_replicate groups: shard within a node, replicate across nodes)."""
+    dp_shard: int = -1
+    """Ranks one copy of the weights is sharded over (-1: every rank for fsdp, the ranks of a node for hsdp)."""
+    dp_replicate: int = -1
+    """Copies of the sharded weights (hsdp; -1: world size / dp_shard)."""
+    timeout_s: float = 600.0
+    """Collective timeout: a dead or stuck rank fails the others after this long instead of hanging them."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"--parallel.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--parallel.timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class RayLaunchConfig:
+    """`--launcher=ray`: Ray Train's TorchTrainer runs the same training on Ray workers."""
+
+    num_workers: int = 2
+    """Training workers (ranks)."""
+    address: str | None = None
+    """An existing cluster (HOST:PORT); default: a local cluster on this machine, bound to 127.0.0.1."""
+    cpus_per_worker: float = 0.5
+    """CPUs Ray reserves per worker (0.5 leaves room for Ray Data on a 2-core machine; 1 each deadlocks it)."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    max_failures: int = 2
+    """Times Ray restarts failed workers; each restart resumes from the last checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers <= 0:
+            raise ConfigError(f"--ray.num_workers must be positive, got {self.num_workers}")
 
 
 @dataclass
@@ -79,7 +124,8 @@ class TrainConfig:
     steps: int = 1700
     """Optimizer steps."""
     batch_size: int = 64
-    """Samples per step."""
+    """Samples per optimizer step, over all data-parallel ranks (the global batch; each rank takes
+    batch_size / ranks of it)."""
     seed: int = 0
     """Seed for initialization, shuffling and noise."""
     output_dir: str = "outputs/train/pi05"
@@ -95,12 +141,45 @@ class TrainConfig:
     checkpoint's; steps, save_freq, log_freq, checkpoint.*, num_threads and the loader's worker settings may
     change, anything else that differs is refused."""
     num_threads: int = 0
-    """torch CPU threads (0: all cores)."""
+    """torch CPU threads per rank (0: the cores of this machine divided among its ranks)."""
+    launcher: str = "local"
+    """local (this process, or the ranks torchrun started) | ray (Ray Train workers, see ray.*)."""
+    ray: RayLaunchConfig = field(default_factory=RayLaunchConfig)
+    """Ray Train launch (with --launcher=ray)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism: DDP, FSDP2 or HSDP over the ranks."""
+    precision: str = "fp32"
+    """fp32 | bf16 (bf16 compute, fp32 master weights and gradient reduction)."""
+    fp8: bool = False
+    """FP8 training of the large Linear layers (torchao; the policy's FP8 filter picks them). CPU: emulated."""
+    activation_checkpointing: str = "none"
+    """none | full (recompute each block in backward) | selective (every other block)."""
+    compile: bool = False
+    """torch.compile each block."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: each rank's share of batch_size is split into this many."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights with this decay (0: off); checkpoints save it as the
+    policy's weights."""
+    freeze: list[str] = field(default_factory=list)
+    """Components to keep fixed (names from `roboscale model info`, e.g. [vision]): no gradients, no optimizer
+    state."""
+    max_nonfinite_steps: int = 5
+    """A NaN/Inf loss or gradient norm skips the step; this many in a row stop the run."""
+    wandb: bool = False
+    """Also log to Weights & Biases (when installed)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "save_freq", "log_freq"):
+        for name in ("steps", "batch_size", "save_freq", "log_freq", "grad_accum", "max_nonfinite_steps"):
             value = getattr(self, name)
             if isinstance(value, int) and value <= 0:
                 raise ConfigError(f"--{name} must be a positive integer, got {value}")
         if self.num_threads < 0:
             raise ConfigError(f"--num_threads must be >= 0, got {self.num_threads}")
+        choices = {"launcher": ("local", "ray"), "precision": ("fp32", "bf16"),
+                   "activation_checkpointing": ("none", "full", "selective")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"--ema_decay must be in [0, 1), got {self.ema_decay}")

@@ -4,11 +4,18 @@ the registry (``roboscale.models.registry``) makes each policy's subclass select
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass
 class PolicyConfig:
     """Options every policy has. Each policy's subclass is listed in ``roboscale.models.registry``."""
+
+    finetune_options: ClassVar[frozenset[str]] = frozenset({"state_key", "action_key", "chunk_size",
+                                                             "n_action_steps"})
+    """Options a fine-tuning run (``pretrained_path``) may set to other values than the checkpoint's: they do not
+    change its weights' shapes or meaning (each subclass adds its own). Any other option given must equal the
+    checkpoint's (``roboscale.models.finetune``)."""
 
     image_keys: list[str] = field(default_factory=list)
     """Camera features the policy reads (empty: every camera of the training dataset)."""
@@ -20,6 +27,12 @@ class PolicyConfig:
     """State size (0: from the dataset)."""
     action_dim: int = 0
     """Action size (0: from the dataset)."""
+    dataset_state_dim: int = 0
+    """The dataset's state size when smaller than state_dim (a checkpoint's padded maximum, e.g. pi0.5's 32): the
+    state is zero-padded up to state_dim. 0: the same as state_dim. Set by fine-tuning (pretrained_path)."""
+    dataset_action_dim: int = 0
+    """The dataset's action size when smaller than action_dim: actions are zero-padded up to action_dim for training
+    and predictions are cropped back to this size. 0: the same as action_dim. Set by fine-tuning (pretrained_path)."""
     image_size: int = 64
     """Square input resolution; frames of another size are resized on the fly."""
     chunk_size: int = 16
@@ -29,3 +42,6 @@ class PolicyConfig:
     every 4 of the 16 steps (50 ms at 80 Hz) corrects small contact errors (docs/benchmarks.md compares 8)."""
     fps: float = 0.0
     """Dataset frame rate (0: from the dataset); with chunk_size it defines the action window."""
+    pretrained_path: str | None = None
+    """Start from this pretrained_model directory (ours or LeRobot's pi05): its architecture and weights;
+    normalization statistics come from the training dataset."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -42,9 +43,27 @@ class FlowMatching:
         """Training times [B], drawn on the CPU from torch's global RNG (whose state checkpoints keep, so a resumed
         run draws the same times)."""
         u = torch.distributions.Beta(torch.tensor(self.time_alpha), torch.tensor(self.time_beta)).sample((batch_size,))
+        return self.time_from_beta(u).to(device)
+
+    def time_from_beta(self, u: torch.Tensor) -> torch.Tensor:
+        """A Beta(alpha, beta) draw -> this convention's training time."""
         if self.data_at == 0:
-            return (u * 0.999 + 0.001).to(device)  # pi0: t in [0.001, 1], near 1 (noise) likelier
-        return ((self.noise_s - u) / self.noise_s).to(device)  # GR00T: near 0 (noise) likelier
+            return u * 0.999 + 0.001  # pi0: t in [0.001, 1], near 1 (noise) likelier
+        return (self.noise_s - u) / self.noise_s  # GR00T: near 0 (noise) likelier
+
+    def draws_per_sample(self, seeds: torch.Tensor, shape: tuple[int, ...], device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(noise [B, *shape], t [B]) drawn from each sample's own seed (long [B], the loader's ``sample_seed``):
+        what a sample draws depends on the sample and its place in the run, not on which rank computes it or
+        what else is in its micro-batch, so 1 and N data-parallel ranks draw the same (numpy's PCG64: the same
+        numbers on every platform)."""
+        noise, u = [], []
+        for seed in seeds.tolist():
+            rng = np.random.default_rng(seed)
+            u.append(rng.beta(self.time_alpha, self.time_beta))
+            noise.append(rng.standard_normal(shape, dtype=np.float32))
+        t = self.time_from_beta(torch.tensor(u, dtype=torch.float32))
+        return torch.from_numpy(np.stack(noise)).to(device), t.to(device)
 
     def interpolate(self, actions: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +100,14 @@ def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[s
     actions = encoded.actions
     if actions is None:
         raise ValueError("a training batch needs actions; this one was collated without them")
-    noise = torch.randn_like(actions)
     flow = policy.flow_matching
-    t = flow.sample_time(actions.shape[0], actions.device)
+    seeds = sample_seeds(batch)
+    if seeds is not None:
+        noise, t = flow.draws_per_sample(seeds, tuple(actions.shape[1:]), actions.device)
+        noise = noise.to(actions.dtype)
+    else:  # a batch built outside the loader: the global RNG
+        noise = torch.randn_like(actions)
+        t = flow.sample_time(actions.shape[0], actions.device)
     x_t, target = flow.interpolate(actions, noise, t)
     pred = policy.velocity(encoded, x_t, t)
     err = (pred - target).pow(2).mean(-1)  # [B, T]
@@ -96,3 +120,9 @@ def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[s
         loss = err.mean()
     return loss, {"loss": loss.detach(), "loss_weight": weight.detach(), "tokens": encoded.tokens,
                   "computed_tokens": encoded.computed_tokens}
+
+
+def sample_seeds(batch: Any) -> torch.Tensor | None:
+    """The loader's per-sample seeds (long [B]) of a dict batch or a PackedBatch, if it has them."""
+    seeds = batch.get("sample_seed") if isinstance(batch, dict) else getattr(batch, "sample_seed", None)
+    return seeds if isinstance(seeds, torch.Tensor) and seeds.numel() else None

@@ -192,11 +192,13 @@ FP8_MIN_FEATURES = 1024
 
 
 def fp8_eligible(module: nn.Module, excluded_prefixes: tuple[str, ...], name: str,
-                 excluded_suffixes: tuple[str, ...] = ()) -> bool:
+                 excluded_suffixes: tuple[str, ...] = (), min_features: int | None = None) -> bool:
     """The rule both policies' FP8 filters share: an ``nn.Linear`` not excluded by name, both dimensions multiples
-    of 16 (the FP8 GEMM's tile constraint) and at least ``FP8_MIN_FEATURES`` wide."""
+    of 16 (the FP8 GEMM's tile constraint) and at least ``min_features`` (default ``FP8_MIN_FEATURES``) wide.
+    Tests lower ``min_features`` to convert a tiny policy; the exclusions by name hold at every width."""
     if not isinstance(module, nn.Linear) or name.startswith(excluded_prefixes) or name.endswith(excluded_suffixes):
         return False
+    floor = FP8_MIN_FEATURES if min_features is None else min_features
     out_features, in_features = module.weight.shape
-    return in_features % 16 == 0 and out_features % 16 == 0 and min(in_features, out_features) >= FP8_MIN_FEATURES
+    return in_features % 16 == 0 and out_features % 16 == 0 and min(in_features, out_features) >= floor
 

@@ -2,6 +2,11 @@
 
 The buffers are named after the statistics they hold (``mean``/``std``, ``min``/``max``, ``q01``/``q99``), as in
 LeRobot's stats.json. Checkpoints written before that named them ``a``/``b``; ``upgrade_state_dict`` maps them.
+
+A normalizer may be wider than its data (``data_dim`` < ``dim``): a policy fine-tuned from a checkpoint whose state
+or action size is a padded maximum (pi0.5: 32, GR00T: 64/32). Then, as openpi and LeRobot do, inputs of the data's
+width are zero-padded to ``dim`` (after normalization, a padded value stays 0), statistics of the data's width are
+padded with the identity's, and ``unnormalize`` crops its output back to the data's width.
 """
 
 from __future__ import annotations
@@ -29,16 +34,22 @@ STAT_KEYS = {
     NormMode.QUANTILES: ("q01", "q99"),
 }
 _LEGACY = ("a", "b")  # the buffer names of older checkpoints, in STAT_KEYS order
+# The statistics of padded dimensions: the identity map (0 -> 0, and back).
+_IDENTITY = {NormMode.MEAN_STD: (0.0, 1.0), NormMode.MIN_MAX: (-1.0, 1.0), NormMode.QUANTILES: (-1.0, 1.0)}
 
 
 class Normalizer(nn.Module):
     """Maps one feature to a normalized space and back."""
 
-    def __init__(self, dim: int, mode: NormMode | str, eps: float = 1e-6):
+    def __init__(self, dim: int, mode: NormMode | str, eps: float = 1e-6, data_dim: int = 0):
         super().__init__()
         self.mode = NormMode(mode)
         self.eps = eps
         self.dim = dim
+        if not 0 <= data_dim <= dim:
+            raise ValueError(f"data_dim {data_dim} must be in [0, dim={dim}]")
+        # the data's width when narrower than ``dim`` (zero-padded on the way in, cropped on the way out); 0: dim
+        self.data_dim = data_dim if data_dim != dim else 0
         for name in STAT_KEYS[self.mode]:
             self.register_buffer(name, torch.empty(dim))
         self.reset_parameters()
@@ -57,21 +68,28 @@ class Normalizer(nn.Module):
                 f"normalization mode {self.mode.value!r} of {feature!r} needs stats {missing}; "
                 f"the dataset's stats.json has {sorted(stats)}"
             )
-        for key in keys:
-            getattr(self, key).copy_(torch.as_tensor(stats[key], dtype=torch.float32).reshape(-1))
+        for key, fill in zip(keys, _IDENTITY.get(self.mode, ()), strict=True):
+            value = torch.as_tensor(stats[key], dtype=torch.float32).reshape(-1)
+            if self.data_dim and value.numel() == self.data_dim:  # the padded dimensions map 0 to 0
+                value = torch.cat([value, value.new_full((self.dim - self.data_dim,), fill)])
+            if value.numel() != self.dim:
+                raise ValueError(f"{feature!r}: {key} has {value.numel()} values, the policy expects "
+                                 f"{self.data_dim or self.dim}")
+            getattr(self, key).copy_(value)
 
     def stats(self) -> dict[str, torch.Tensor]:
         return {key: getattr(self, key) for key in STAT_KEYS[self.mode]}
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _normalize(self.mode, self.stats(), self.eps, x)
+        return _normalize(self.mode, self.stats(), self.eps, _pad(x, self.dim, self.data_dim))
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _unnormalize(self.mode, self.stats(), self.eps, x)
+        return _crop(_unnormalize(self.mode, self.stats(), self.eps, x), self.data_dim)
 
     def snapshot(self) -> NormStats:
         """A plain, picklable CPU copy of the statistics (for data-loader workers)."""
-        return NormStats(self.mode, {k: v.detach().cpu().clone() for k, v in self.stats().items()}, self.eps)
+        return NormStats(self.mode, {k: v.detach().cpu().clone() for k, v in self.stats().items()}, self.eps,
+                         self.dim, self.data_dim)
 
     def upgrade_keys(self, prefix: str, state: dict[str, torch.Tensor]) -> None:
         """Rename this normalizer's tensors in an older checkpoint's ``state`` (``prefix.a``/``prefix.b``) in place;
@@ -89,12 +107,26 @@ class NormStats:
     mode: NormMode
     stats: dict[str, torch.Tensor]
     eps: float = 1e-6
+    dim: int = 0
+    data_dim: int = 0
+    """As ``Normalizer.data_dim``: inputs this wide are zero-padded to ``dim``, outputs cropped back (0: no padding)."""
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _normalize(self.mode, self.stats, self.eps, x)
+        return _normalize(self.mode, self.stats, self.eps, _pad(x, self.dim, self.data_dim))
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
-        return _unnormalize(self.mode, self.stats, self.eps, x)
+        return _crop(_unnormalize(self.mode, self.stats, self.eps, x), self.data_dim)
+
+
+def _pad(x: torch.Tensor, dim: int, data_dim: int) -> torch.Tensor:
+    """Zero-pad the last dimension of data-width ``x`` to the normalizer's ``dim`` (openpi's pad_to_dim)."""
+    if data_dim and x.shape[-1] == data_dim:
+        return torch.nn.functional.pad(x, (0, dim - data_dim))
+    return x
+
+
+def _crop(x: torch.Tensor, data_dim: int) -> torch.Tensor:
+    return x[..., :data_dim] if data_dim else x
 
 
 def _normalize(mode: NormMode, stats: Mapping[str, torch.Tensor], eps: float, x: torch.Tensor) -> torch.Tensor:

@@ -135,7 +135,8 @@ class Policy(nn.Module):
 
     @torch.no_grad()
     def predict_action_chunk(self, observation: Any) -> torch.Tensor:
-        """Actions [B, chunk_size, action_dim] in the dataset's units, from noise by the policy's Euler steps."""
+        """Actions [B, chunk_size, dataset_action_dim or action_dim] in the dataset's units (the dataset's width: a
+        fine-tuned policy's padded dimensions are cropped), from noise by the policy's Euler steps."""
         encoded = self.encode(observation, cache=True)
         device = next(self.parameters()).device
         noise = torch.randn(encoded.batch_size, self.config.chunk_size, self.config.action_dim, device=device)
@@ -144,14 +145,17 @@ class Policy(nn.Module):
         return self.action_normalizer.unnormalize(actions)
 
     # --- persistence ----------------------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write config.json + model.safetensors (+ tokenizer.json) into ``directory``, each file atomically."""
+    def save_pretrained(self, directory: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+        """Write config.json + model.safetensors (+ tokenizer.json) into ``directory``, each file atomically.
+        ``state_dict``: the weights to write instead of this module's own (gathered from sharded ranks, or an
+        average of weights)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write_json(directory / CONFIG_NAME, to_dict(self.config))
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu()
+                 for k, v in (self.state_dict() if state_dict is None else state_dict).items()}
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
             save_file(state, str(tmp), metadata={"format": "pt", "type": self.name})
         if self.tokenizer is not None:

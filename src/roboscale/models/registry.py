@@ -35,13 +35,19 @@ def _load(path: str) -> Any:
 @dataclass(frozen=True)
 class Foreign:
     """Checkpoints written by another framework: ``detect(config_dict)`` recognises its config.json,
-    ``load`` ("module:function", called as ``load(directory, **overrides)``) builds our policy from it."""
+    ``load`` ("module:function", called as ``load(directory, **overrides)``) builds our policy from it, and
+    ``config`` ("module:function", called as ``config(config_dict, config_path)``) gives the config that policy is
+    built with, which ``load`` also takes as ``config=`` (fine-tuning changes it first)."""
 
     detect: Callable[[dict], bool]
     load: str
+    config: str | None = None
 
     def loader(self) -> Callable[..., Any]:
         return _load(self.load)
+
+    def config_reader(self) -> Callable[..., PolicyConfig] | None:
+        return _load(self.config) if self.config else None
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,11 @@ class PolicySpec:
     objective: str = "roboscale.models.flow_matching:flow_matching_loss"
     """"module:function" ``(policy, batch) -> (loss, metrics)`` the trainer minimises."""
     fp8_filter: str | None = None
-    """"module:function" ``(module_name, module) -> bool``: the Linear layers FP8 training converts."""
+    """"module:function" ``(module_name, module, min_features=None) -> bool``: the Linear layers FP8 training
+    converts (``min_features`` lowers the width floor, for tests of tiny policies)."""
+    flops: str | None = None
+    """"module:function" ``(config) -> roboscale.models.flops.SampleFlops``: FLOPs of one training sample at the
+    config's nominal size, by component; ``float()`` of it is the training total (MFU, ``roboscale plan``)."""
     foreign: Foreign | None = None
     uses_tokenizer: bool = True
     """The checkpoint carries tokenizer.json."""
@@ -69,6 +79,9 @@ class PolicySpec:
 
     def loss(self) -> Callable[..., Any]:
         return _load(self.objective)
+
+    def flops_function(self) -> Callable[..., Any] | None:
+        return _load(self.flops) if self.flops else None
 
 
 PI05_PRESETS: dict[str, dict] = {
@@ -116,8 +129,10 @@ SPECS: dict[str, PolicySpec] = {
         policy="roboscale.models.pi05.modeling:Pi05Policy",
         presets=PI05_PRESETS,
         fp8_filter="roboscale.models.pi05.modeling:fp8_filter",
+        flops="roboscale.models.pi05.modeling:flops_per_sample",
         foreign=Foreign(detect=lambda config: "paligemma_variant" in config,
-                        load="roboscale.models.pi05.lerobot:load_lerobot_pi05"),
+                        load="roboscale.models.pi05.lerobot:load_lerobot_pi05",
+                        config="roboscale.models.pi05.lerobot:config_from_lerobot"),
     ),
     "groot": PolicySpec(
         "groot",
@@ -125,6 +140,7 @@ SPECS: dict[str, PolicySpec] = {
         policy="roboscale.models.groot.modeling:GrootPolicy",
         presets=GROOT_PRESETS,
         fp8_filter="roboscale.models.groot.modeling:fp8_filter",
+        flops="roboscale.models.groot.modeling:flops_per_sample",
     ),
 }
 DEFAULT_POLICY = "pi05"
@@ -159,8 +175,17 @@ def preset_config(name: str, preset: str = "demo", **overrides) -> PolicyConfig:
     return spec.config_class()(**{**spec.presets[preset], **overrides})
 
 
-# Policy config fields a build fills from the dataset (or the tokenizer) when left at 0 / empty.
-FILLED_AT_BUILD = ("image_keys", "state_dim", "action_dim", "fps", "vocab_size")
+# Policy config fields a build fills from the dataset (or the tokenizer) when left at 0 / empty; fine-tuning
+# (roboscale.models.finetune) fills the dataset_* widths.
+FILLED_AT_BUILD = ("image_keys", "state_dim", "action_dim", "fps", "vocab_size", "dataset_state_dim",
+                   "dataset_action_dim")
+
+
+def feature_size(meta, key: str) -> int:
+    """Values per frame of a dataset feature (its flattened shape), or a ConfigError naming the dataset."""
+    if key not in meta.features:
+        raise ConfigError(f"the dataset at {meta.root} has no feature {key!r} (it has {sorted(meta.features)})")
+    return int(np.prod(meta.features[key]["shape"]))
 
 
 def fit_to_dataset(cfg: PolicyConfig, meta) -> None:
@@ -168,17 +193,22 @@ def fit_to_dataset(cfg: PolicyConfig, meta) -> None:
     fps); a config already filled (a checkpoint's) is only checked. Errors name the feature and the dataset."""
     features = meta.features
     for key in (cfg.state_key, cfg.action_key):
-        if key not in features:
-            raise ConfigError(f"the dataset at {meta.root} has no feature {key!r} (it has {sorted(features)})")
+        feature_size(meta, key)
     if not cfg.image_keys:
         cfg.image_keys = list(meta.camera_keys)
     missing = [k for k in cfg.image_keys if k not in features]
     if missing:
         raise ConfigError(f"cameras {missing} are not in the dataset at {meta.root} (cameras: {meta.camera_keys})")
     for name, key in (("state_dim", cfg.state_key), ("action_dim", cfg.action_key)):
-        size = int(np.prod(features[key]["shape"]))
+        size = feature_size(meta, key)
+        padded_from = getattr(cfg, f"dataset_{name}")
+        if padded_from:  # fine-tuned from a checkpoint with room for more: the data is zero-padded to its size
+            if padded_from != size:
+                raise ConfigError(f"policy.dataset_{name} is {padded_from} (zero-padded to policy.{name}="
+                                  f"{getattr(cfg, name)}) but {key!r} of the dataset at {meta.root} has {size} values")
+            continue
         if getattr(cfg, name) and getattr(cfg, name) != size:
-            # a full-size preset's padded sizes (32 / 64): zero-padding a dataset to them is not implemented
+            # a full-size preset's padded sizes (32 / 64): only fine-tuning (pretrained_path) zero-pads a dataset
             raise ConfigError(f"policy.{name} is {getattr(cfg, name)} but {key!r} of the dataset at {meta.root} has "
                               f"{size} values; set --policy.{name}={size} (or 0 to take it from the dataset)")
         setattr(cfg, name, getattr(cfg, name) or size)

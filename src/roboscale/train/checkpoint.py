@@ -1,15 +1,22 @@
-"""Checkpoints in LeRobot's layout, written atomically, and exact resume.
+"""Checkpoints in LeRobot's layout, sharded over ranks, written atomically, and exact resume.
 
     <output_dir>/checkpoints/<step:06d>/pretrained_model/   config.json, model.safetensors, tokenizer.json,
-                                                            train_config.json
-    <output_dir>/checkpoints/<step:06d>/training_state/     training_step.json, optimizer_state.safetensors,
-                                                            optimizer_param_groups.json, scheduler_state.json,
-                                                            rng_state.safetensors, loader_state.json
+                                                            train_config.json  (consolidated: eval, export)
+    <output_dir>/checkpoints/<step:06d>/training_state/     model_optimizer/ (torch.distributed.checkpoint:
+                                                            every rank writes its shards), trainer_state.json,
+                                                            loader_state.json, rng_rank<r>.safetensors
     <output_dir>/checkpoints/last -> <step:06d>
 
-A step directory is assembled under a temporary name and renamed into place, then ``last`` is switched with an
-atomic symlink replace; a run killed at any moment leaves the previous checkpoint intact and ``last`` pointing
-at a complete one. Everything is safetensors or JSON.
+The sharded part holds the live weights and the optimizer state as each rank has them (FSDP shards); DCP's
+metadata lets a run with another number of ranks load them resharded. ``pretrained_model`` is gathered on rank 0
+once per save, so evaluation and export never need the ranks that wrote it. The loader's position is global
+(the same on every rank), the RNG state is per rank.
+
+Rank 0 assembles a step directory under a temporary name, every rank writes its part into it, and only when all
+of them succeeded is it renamed into place and ``last`` switched with an atomic symlink replace; a run killed at
+any moment leaves the previous checkpoint intact and ``last`` pointing at a complete one. Weights, optimizer and
+state are safetensors, JSON or DCP: DCP keeps its own metadata as a pickle, which only a resume of this run's own
+output directory reads (``eval`` and ``export`` read the safetensors).
 
 What a killed save leaves (a hidden ``.<step>.<random>.tmp/``, ``.last.tmp``) is removed by the next run
 (``remove_stale_files``): only our own names, and only temporaries no live process holds. Retention
@@ -20,10 +27,13 @@ under a step name.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +48,9 @@ from roboscale.utils.io import atomic_directory, fsync_dir, remove_stale_tempora
 PRETRAINED = "pretrained_model"
 TRAINING_STATE = "training_state"
 TRAIN_CONFIG = "train_config.json"
+SHARDED = "model_optimizer"
+TRAINER_STATE = "trainer_state.json"
+LOADER_STATE = "loader_state.json"
 POINTERS = ("last", "best")  # symlinks to step directories; retention never deletes what they point to
 _STEP_NAME = re.compile(r"^\d{6,}$")
 
@@ -46,37 +59,86 @@ def step_name(step: int) -> str:
     return f"{step:06d}"
 
 
-def _optimizer_tensors(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state_dict into flat tensors (safetensors) and JSON-able structure."""
-    tensors: dict[str, torch.Tensor] = {}
-    for param_id, slots in state["state"].items():
-        for name, value in slots.items():
-            value = value if torch.is_tensor(value) else torch.tensor(value)
-            tensors[f"{param_id}.{name}"] = value.detach().contiguous().cpu()
-    return tensors, {"param_groups": state["param_groups"]}
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
 
 
-def _optimizer_state(tensors: dict[str, torch.Tensor], groups: dict) -> dict:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        param_id, name = key.split(".", 1)
-        state.setdefault(int(param_id), {})[name] = value
-    return {"state": state, "param_groups": groups["param_groups"]}
+def save_checkpoint(output_dir: Path, step: int, *, policy, sharded_state: dict[str, Any],
+                    full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
+                    train_config: Any, env) -> Path:
+    """Write ``checkpoints/<step>`` on every rank (a collective), then point ``last`` at it.
 
-
-def save_checkpoint(output_dir: Path, step: int, policy, training_state: dict[str, Any], train_config: Any) -> Path:
-    """Write ``checkpoints/<step>`` (weights and the trainer's state: ``optimizer``, ``scheduler``, ``loader``,
-    ``rng`` state dicts) atomically, then point ``last`` at it."""
+    ``sharded_state``: this rank's ``{"model": ..., "optimizer": ...}`` (DCP). ``full_model_state``: the gathered
+    weights for ``pretrained_model`` (rank 0; None elsewhere). ``training_state``: ``trainer`` (JSON), ``loader``
+    (JSON, rank 0's), ``rng`` (this rank's torch RNG state)."""
     checkpoints = Path(output_dir) / "checkpoints"
     target = checkpoints / step_name(step)
     try:
-        _write_step(target, policy, training_state, train_config)
-    except (OSError, SafetensorError) as exc:  # a full disk, a quota, a vanished mount: nothing half-written stays
+        if env.is_main:
+            with atomic_directory(target, overwrite=True) as tmp:
+                _write_shards(_share(tmp, env), sharded_state, training_state, env)
+                pretrained = tmp / PRETRAINED
+                policy.save_pretrained(pretrained, state_dict=full_model_state)
+                (pretrained / TRAIN_CONFIG).write_text(json.dumps(to_dict(train_config), indent=4))
+                state_dir = tmp / TRAINING_STATE
+                (state_dir / TRAINER_STATE).write_text(json.dumps(training_state["trainer"], indent=4))
+                (state_dir / LOADER_STATE).write_text(json.dumps(training_state["loader"], indent=4))
+            _point_last(checkpoints, target.name)
+        else:
+            _write_shards(_share(None, env), sharded_state, training_state, env)
+    except (OSError, SafetensorError, _PeerFailed) as exc:  # a full disk, a quota, a vanished mount
         previous = last_checkpoint(output_dir)
         kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(target, f"cannot write the checkpoint ({_os_reason(exc)}); {kept}") from None
-    _point_last(checkpoints, target.name)
+    finally:
+        env.barrier()  # nobody prunes or resumes before the new checkpoint is committed
     return target
+
+
+class _PeerFailed(Exception):
+    """Another rank could not write its part (its own error names why)."""
+
+
+def _share(tmp: Path | None, env) -> Path:
+    """Rank 0's temporary directory, told to every rank."""
+    if not env.distributed:
+        return tmp
+    import torch.distributed as dist
+
+    box = [str(tmp) if tmp is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _write_shards(tmp: Path, sharded_state: dict[str, Any], training_state: dict[str, Any],
+                  env) -> None:
+    """Every rank: its DCP shards and RNG state into ``tmp``; fails on every rank if any rank failed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state_dir = tmp / TRAINING_STATE
+    failed = None
+    try:
+        state_dir.mkdir(exist_ok=True)
+        with _quiet_dcp():
+            dcp.save(sharded_state, checkpoint_id=str(state_dir / SHARDED), no_dist=not env.distributed)
+        save_file({"torch": training_state["rng"]}, str(state_dir / rng_file(env.rank)))
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        failed = exc
+    except CheckpointException as exc:  # DCP's (a BaseException): the rank's own error is inside, as text
+        reason = _dcp_reason(exc)
+        code = re.search(r"\[Errno (\d+)\]", reason)
+        failed = OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else \
+            _write_probe(state_dir) or OSError(reason)
+    if env.distributed:
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if failed else 0.0])
+        dist.all_reduce(flag)
+        if failed is None and flag.item() > 0:
+            raise _PeerFailed("another rank could not write its shards")
+    if failed is not None:
+        raise failed
 
 
 def _os_reason(exc: Exception) -> str:
@@ -85,22 +147,6 @@ def _os_reason(exc: Exception) -> str:
         return exc.strerror
     code = re.search(r"\(os error (\d+)\)", str(exc))
     return os.strerror(int(code.group(1))) if code else str(exc)
-
-
-def _write_step(target: Path, policy, training_state: dict[str, Any], train_config: Any) -> None:
-    with atomic_directory(target, overwrite=True) as tmp:
-        pretrained = tmp / PRETRAINED
-        policy.save_pretrained(pretrained)
-        (pretrained / TRAIN_CONFIG).write_text(json.dumps(to_dict(train_config), indent=4))
-        state_dir = tmp / TRAINING_STATE
-        state_dir.mkdir()
-        tensors, groups = _optimizer_tensors(training_state["optimizer"])
-        save_file(tensors, str(state_dir / "optimizer_state.safetensors"))
-        (state_dir / "optimizer_param_groups.json").write_text(json.dumps(groups, indent=4))
-        (state_dir / "scheduler_state.json").write_text(json.dumps(training_state["scheduler"], indent=4))
-        save_file({"torch": training_state["rng"]}, str(state_dir / "rng_state.safetensors"))
-        (state_dir / "loader_state.json").write_text(json.dumps(training_state["loader"], indent=4))
-        (state_dir / "training_step.json").write_text(json.dumps({"step": int(target.name)}, indent=4))
 
 
 def _point_last(checkpoints: Path, name: str) -> None:
@@ -176,18 +222,62 @@ def last_checkpoint(output_dir: Path) -> Path | None:
     return last.resolve() if last.exists() else None
 
 
-def load_training_state(checkpoint: Path) -> dict[str, Any]:
-    """What ``save_checkpoint`` wrote of the trainer's state: ``step``, ``optimizer``, ``scheduler``, ``loader``,
-    ``rng``. A missing or damaged file is a CheckpointError naming it."""
+def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env) -> dict[str, Any]:
+    """Load the sharded model/optimizer state into ``sharded_state`` in place (resharded to this run's ranks) and
+    return the rest: ``trainer``, ``loader``, ``rng`` (this rank's, None when the checkpoint had fewer ranks). A
+    missing or damaged file is a CheckpointError naming it."""
+    import torch.distributed.checkpoint as dcp
+
     state_dir = checkpoint / TRAINING_STATE
+    sharded = state_dir / SHARDED
+    if not (sharded / ".metadata").is_file():
+        raise CheckpointError(sharded / ".metadata", "missing")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_dcp():
+            dcp.load(sharded_state, checkpoint_id=str(sharded), no_dist=not env.distributed)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a truncated shard, a missing one, a key
+        # that changed. (DCP's CheckpointException is a BaseException carrying each rank's traceback as text.)
+        raise CheckpointError(sharded, f"damaged or not this model's ({_dcp_reason(exc)})") from None
+    rng_path = state_dir / rng_file(env.rank)
     return {
-        "optimizer": _optimizer_state(_read(state_dir / "optimizer_state.safetensors", lambda p: load_file(str(p))),
-                                      _read(state_dir / "optimizer_param_groups.json", _json)),
-        "scheduler": _read(state_dir / "scheduler_state.json", _json),
-        "rng": _read(state_dir / "rng_state.safetensors", lambda p: load_file(str(p))["torch"]),
-        "step": _read(state_dir / "training_step.json", lambda p: int(_json(p)["step"])),
-        "loader": _read(state_dir / "loader_state.json", _json),
+        "trainer": _read(state_dir / TRAINER_STATE, _json),
+        "loader": _read(state_dir / LOADER_STATE, _json),
+        "rng": _read(rng_path, lambda p: load_file(str(p))["torch"]) if rng_path.exists() else None,
     }
+
+
+def _write_probe(directory: Path) -> OSError | None:
+    """What the OS says about writing into ``directory`` now (torch's zip writer reports a full disk as
+    ``[enforce fail at inline_container.cc]``, without the reason)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory) as f:
+            f.write(b"\0" * 2**20)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _dcp_reason(exc: BaseException) -> str:
+    """The last line of DCP's error (it carries each rank's traceback as text), up to its first sentence."""
+    lines = str(exc).strip().splitlines()
+    return lines[-1].split(". ")[0] if lines else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP logs a damaged shard's whole traceback before raising; the error we raise names the file instead."""
+    from torch.distributed.checkpoint.logger import _dcp_logger
+
+    saved = _dcp_logger.level
+    _dcp_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        _dcp_logger.setLevel(saved)
 
 
 def _json(path: Path) -> Any:

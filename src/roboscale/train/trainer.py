@@ -1,70 +1,111 @@
-"""The training engine: a ``Trainer`` that builds, (parallelizes,) runs and checkpoints a training run.
+"""The training engine: a ``Trainer`` that builds, parallelizes, runs and checkpoints a training run on one
+process or on the data-parallel ranks torchrun or Ray Train started.
 
 ``Trainer(cfg).fit()`` goes build -> parallelize -> restore -> loop, and the loop calls its hooks (logging,
-checkpointing; evaluation beside training later) after every step. The policy is driven only through the Policy
-contract and its registered objective, the data only through the loader's iterator and ``state_dict``, so the
-distributed engine applies its parallelism to the plain policy in ``parallelize`` without changing the loop.
+checkpointing) after every step. The policy is driven only through the Policy contract and its registered
+objective, the data only through the loader's iterator and ``state_dict``; parallelism is applied to the plain
+policy from outside (``roboscale.distributed.parallelize``).
 
-What a checkpoint restores besides the weights is the trainer's ``state_dict()`` (step, optimizer, schedule,
-loader position, RNG), saved and loaded as a unit (torchtitan's ``Stateful``): a resumed run sees exactly the
-batches and draws the uninterrupted run would have. Metrics stay tensors until they are logged, so a step
-does not wait for the device once per micro-batch.
+One optimizer step is one global batch (``--batch_size`` samples over all ranks). Each rank's share may be
+split into micro-batches (a token budget, ``--grad_accum``); every rank runs the same number of them (a rank
+with fewer repeats one at zero weight, since DDP and FSDP need the same forward/backward calls everywhere),
+gradients are reduced once, with the last one, and each micro-batch's loss weight is normalized by the weight
+summed over all ranks: the update is exactly the whole global batch's mean loss, whatever the number of ranks
+or micro-batches. Random draws come from each sample's own seed (the loader's ``sample_seed``), so 1 and N
+ranks compute the same losses.
+
+What a checkpoint restores besides the weights is the trainer's state (step, optimizer, schedule, loader
+position, RNG), saved and loaded as a unit: a resumed run, at the same or another number of ranks, sees exactly
+the batches and draws the uninterrupted run would have. Metrics stay tensors until they are logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import tempfile
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from roboscale.config import save_yaml
 from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
-from roboscale.errors import CheckpointError, ConfigError
+from roboscale.distributed.env import DistributedEnv, init_distributed
+from roboscale.errors import CheckpointError, ConfigError, TrainingError
 from roboscale.train.resume import check_resume, resume_checkpoint, resuming, saved_config
-from roboscale.train.telemetry import COUNTS
 from roboscale.utils.io import exclusive_lock
 
 log = logging.getLogger(__name__)
 
+RESTARTED = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of restarts (``--max-restarts``): a restarted run resumes from its last checkpoint."""
 
-def train(cfg: TrainConfig, progress: bool = True) -> Path:
-    """Train and return the final checkpoint's ``pretrained_model`` directory."""
-    return Trainer(cfg, progress=progress).fit()
+
+def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False) -> Path:
+    """Train and return the final checkpoint's ``pretrained_model`` directory. ``restartable``: this process may
+    be a restart of a failed one (a launcher's retry), so resume if a checkpoint exists."""
+    return Trainer(cfg, progress=progress, restartable=restartable).fit()
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, *, progress: bool = True, restartable: bool = False):
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.progress = progress
-        self.resume_from = resume_checkpoint(self.output_dir) if cfg.resume else None
+        self.restartable = restartable or int(os.environ.get(RESTARTED, "0") or 0) > 0
+        self.resume_from: Path | None = None
+        self.env = DistributedEnv()
+        self.plan: Any = None
         self.step = 0
         self.policy: Any = None
+        self.module: Any = None
         self.loader: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.objective: Callable[..., Any] | None = None
         self.telemetry: Any = None
+        self.ema: dict[str, torch.Tensor] = {}
+        self.skipped_steps = 0
+        self._nonfinite_in_a_row = 0
+        self._after_step: Callable[[], None] | None = None
 
     def fit(self) -> Path:
+        self.env = init_distributed(self.cfg.parallel.timeout_s, self.cfg.num_threads)
+        try:
+            return self._fit()
+        finally:
+            from roboscale.distributed.env import shutdown
+
+            shutdown(self.env)
+
+    def _fit(self) -> Path:
+        from roboscale.distributed.mesh import resolve_plan
+
+        cfg = self.cfg
+        self.plan = resolve_plan(cfg.parallel, self.env)
+        check_parallel_options(cfg, self.plan)
+        if self.restartable and not cfg.resume and (self.output_dir / "checkpoints" / "last").exists():
+            log.info("restarted: resuming from the last checkpoint in %s", self.output_dir)
+            cfg.resume = True
+        self.resume_from = resume_checkpoint(self.output_dir) if cfg.resume else None
         if self.resume_from is None and (self.output_dir / "checkpoints").exists():
             raise ConfigError(f"--output_dir {self.output_dir} already has checkpoints; pass --resume=true to "
                               "continue it or choose another --output_dir")
-        prepare_output_dir(self.output_dir)
+        main = self.env.is_main
         # one run per output_dir: a second one (another shell, a retried job) would interleave checkpoints
-        with exclusive_lock(self.output_dir / ".train.lock", lambda holder: ConfigError(
-                f"--output_dir {self.output_dir}: another training ({holder}) is writing there")):
-            from roboscale.train.checkpoint import remove_stale_files
+        lock = exclusive_lock(self.output_dir / ".train.lock", lambda holder: ConfigError(
+            f"--output_dir {self.output_dir}: another training ({holder}) is writing there"))
+        with self._on_main(lambda: prepare_output_dir(self.output_dir)), (lock if main else contextlib.nullcontext()):
+            if main:
+                from roboscale.train.checkpoint import remove_stale_files
 
-            for stale in remove_stale_files(self.output_dir):
-                log.info("removed %s, left by a run that was killed while saving", stale)
+                for stale in remove_stale_files(self.output_dir):
+                    log.info("removed %s, left by a run that was killed while saving", stale)
             self.build()
             self.parallelize()
             self.restore()
@@ -74,10 +115,30 @@ class Trainer:
                 self.telemetry.close()
                 self.loader.close()
 
+    @contextlib.contextmanager
+    def _on_main(self, action: Callable[[], None]):
+        """Run ``action`` on rank 0; every rank raises if it failed there (the others would wait forever)."""
+        error = None
+        if self.env.is_main:
+            try:
+                action()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = exc
+        if self.env.distributed:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if error else 0.0])
+            dist.all_reduce(flag)
+            if error is None and flag.item() > 0:
+                raise TrainingError("rank 0 failed to prepare the run; its error is above")
+        if error is not None:
+            raise error
+        yield
+
     # --- build ----------------------------------------------------------------------------------------------
     def build(self) -> None:
-        """Data, policy, objective, loader, optimizer and schedule, in the order whose RNG draws make runs
-        reproducible (the policy's initial weights follow the seed)."""
+        """Data, policy, objective and loader, in the order whose RNG draws make runs reproducible (the policy's
+        initial weights follow the seed, the same on every rank)."""
         from roboscale.data.loading.loader import check_sources
         from roboscale.data.loading.meta import source_meta
         from roboscale.models.registry import build_policy, fit_to_dataset, get_spec
@@ -88,8 +149,6 @@ class Trainer:
             with resuming(self.resume_from):
                 saved = saved_config(self.resume_from)
             check_resume(saved, cfg, self.resume_from)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
         self.seed()
         sources, names, weights = self.open_sources()
         check_sources(sources, names, skip_bad_episodes=cfg.dataset.skip_bad_episodes)  # never build on refused data
@@ -105,22 +164,28 @@ class Trainer:
                 fit_to_dataset(cfg.policy, meta)  # the data may have changed since the checkpoint was written
             except ConfigError as e:
                 raise ConfigError(f"--resume: {pretrained / 'config.json'} does not fit the data: {e}") from None
+        elif cfg.policy.pretrained_path:  # fine-tuning: the checkpoint's architecture and weights, this data's stats
+            from roboscale.models.finetune import policy_for_finetuning
+
+            self.policy = policy_for_finetuning(cfg.policy, meta)
         else:
             self.policy = build_policy(cfg.policy, meta)
         self.objective = get_spec(self.policy.name).loss()
         self.loader = self.build_loader(sources, weights, meta)
-        log.info("policy %s: %.2fM parameters; data %s: %d episodes, %d frames, %d batches per epoch, %d loader "
-                 "workers", self.policy.name, sum(p.numel() for p in self.policy.parameters()) / 1e6, meta.root,
-                 sum(len(s.episode_lengths) for s in sources), sum(int(s.episode_lengths.sum()) for s in sources),
-                 self.loader.batches_per_epoch, self.loader.num_workers)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas,
-                                           weight_decay=cfg.optimizer.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
-        self.telemetry = Telemetry(self.output_dir / "tensorboard", cfg.batch_size)
+        if self.env.is_main:
+            log.info("policy %s: %.2fM parameters; data %s: %d episodes, %d frames, %d batches per epoch, %d "
+                     "loader workers per rank; %d ranks (%s)", self.policy.name,
+                     sum(p.numel() for p in self.policy.parameters()) / 1e6, meta.root,
+                     sum(len(s.episode_lengths) for s in sources), sum(int(s.episode_lengths.sum()) for s in sources),
+                     self.loader.batches_per_epoch, self.loader.num_workers, self.env.world_size, self.plan.strategy)
+        self.telemetry = Telemetry(self.output_dir, cfg.batch_size, write=self.env.is_main,
+                                   flops_per_sample=training_flops(self.policy),
+                                   peak=peak_flops(self.env.device, cfg.precision, cfg.fp8),
+                                   ranks=self.env.world_size, wandb=cfg.wandb, config=cfg)
 
     def seed(self) -> None:
-        """Seed torch's global RNG (initial weights, noise, flow times). Where each data-parallel rank must draw
-        its own noise, this is where the rank enters the seed."""
+        """Seed torch's global RNG: the initial weights, the same on every rank. The objective's draws come from
+        each sample's seed; what else draws from the global RNG (dropout) gets a stream per rank in ``loop``."""
         torch.manual_seed(self.cfg.seed)
 
     def open_sources(self) -> tuple[list[Any], list[str], list[float | None]]:
@@ -140,6 +205,8 @@ class Trainer:
         return build_loader(
             sources if not data.mixture else list(zip(sources, weights, strict=True)),
             batch_size=cfg.batch_size,
+            rank=self.env.rank,
+            world_size=self.plan.dp_size,
             num_workers=loader_workers(data.num_workers),
             # LeRobot's delta_timestamps, from the policy's frame offsets
             delta_timestamps={key: [i / meta.fps for i in idx] for key, idx in self.policy.delta_indices().items()},
@@ -155,69 +222,185 @@ class Trainer:
         )
 
     def parallelize(self) -> None:
-        """Where data parallelism, FSDP, activation checkpointing and compile are applied to the plain policy (its
-        ``parallel_units()``); one process on one device needs none of them."""
+        """Freeze what is asked, apply FP8 / activation checkpointing / compile / DDP or FSDP2 to the plain policy
+        (``roboscale.distributed.parallelize``), then build the optimizer over what trains."""
+        from roboscale.distributed.mesh import build_mesh
+        from roboscale.distributed.parallelize import parallelize
+
+        cfg = self.cfg
+        freeze(self.policy, cfg.freeze)
+        if cfg.fp8:  # before sharding, as torchao's float8 all-gather wraps the converted weights
+            from roboscale.train.fp8 import apply_fp8, fp8_after_optimizer_step
+
+            converted = apply_fp8(self.policy, device=self.env.device, fsdp=self.plan.sharded)
+            if self.env.is_main:
+                log.info("fp8: %d Linear layers converted", len(converted))
+            if self.plan.sharded:
+                self._after_step = lambda: fp8_after_optimizer_step(self.policy)
+        self.module = parallelize(self.policy, self.objective, self.plan, build_mesh(self.plan, self.env),
+                                  device=self.env.device, precision=cfg.precision,
+                                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.optimizer.lr, betas=cfg.optimizer.betas,
+                                           weight_decay=cfg.optimizer.weight_decay,
+                                           fused=True if self.env.device.type == "cuda" else None)
+        self.scheduler = make_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
+        if cfg.ema_decay:
+            self.ema = {name: p.detach().clone() for name, p in self.policy.named_parameters() if p.requires_grad}
 
     # --- state ----------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint restores besides the weights, as one unit."""
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
+    def sharded_state(self) -> dict[str, Any]:
+        """Weights and optimizer state as this rank holds them (FSDP: its shards), for DCP."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def load_state_dict(self, state: dict[str, Any], where: Path) -> None:
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-            raise CheckpointError(where, f"optimizer state does not fit this model ({exc})") from None
-        try:
-            self.scheduler.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["rng"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-            raise CheckpointError(where, f"scheduler or RNG state is damaged ({exc})") from None
-        try:
-            self.loader.load_state_dict(state["loader"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(where / "loader_state.json",
-                                  f"does not fit this data loader ({type(e).__name__}: {e})") from None
-        self.step = int(state["step"])
+        model, optimizer = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model, "optimizer": optimizer}
+        if self.ema:
+            state["ema"] = self.ema
+        return state
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
+                "world_size": self.env.world_size, "strategy": self.plan.strategy}
 
     def restore(self) -> None:
         """Continue from the checkpoint being resumed, if any; record the run's config beside its checkpoints."""
-        from roboscale.train.checkpoint import TRAINING_STATE, load_training_state
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from roboscale.train.checkpoint import LOADER_STATE, TRAINING_STATE, load_training_state
 
         if self.resume_from is not None:
+            where = self.resume_from / TRAINING_STATE
             with resuming(self.resume_from):
-                self.load_state_dict(load_training_state(self.resume_from), self.resume_from / TRAINING_STATE)
-            log.info("resumed from %s at step %d", self.resume_from, self.step)
-        save_yaml(self.cfg, self.output_dir / "train_config.yaml")
+                sharded = self.sharded_state()
+                state = load_training_state(self.resume_from, sharded, self.env)
+                set_state_dict(self.policy, self.optimizer, model_state_dict=sharded["model"],
+                               optim_state_dict=sharded["optimizer"])
+                trainer = state["trainer"]
+                try:
+                    self.scheduler.load_state_dict(trainer["scheduler"])
+                    self.step = int(trainer["step"])
+                    self.skipped_steps = int(trainer.get("skipped_steps", 0))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise CheckpointError(where / "trainer_state.json", f"damaged ({exc})") from None
+                try:
+                    self.loader.load_state_dict(state["loader"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise CheckpointError(where / LOADER_STATE,
+                                          f"does not fit this data loader ({type(e).__name__}: {e})") from None
+            if state["rng"] is not None:
+                torch.set_rng_state(state["rng"])
+            else:  # saved by fewer ranks: this rank's stream starts fresh (only dropout draws from it)
+                torch.manual_seed(rank_seed(self.cfg.seed, self.env.rank, self.step))
+            if self.env.is_main:
+                log.info("resumed from %s at step %d (saved by %d ranks, now %d)", self.resume_from, self.step,
+                         int(trainer.get("world_size", 1)), self.env.world_size)
+            self.telemetry.truncate_after(self.step)
+        elif self.env.rank:  # rank 0 keeps the seed's own stream, so one process trains as it always did
+            torch.manual_seed(rank_seed(self.cfg.seed, self.env.rank, 0))
+        if self.env.is_main:
+            save_yaml(self.cfg, self.output_dir / "train_config.yaml")
 
     # --- the loop -------------------------------------------------------------------------------------------
+    def micro_batches(self, batch: Any) -> list[Any]:
+        """This rank's share of the global batch as the micro-batches it accumulates over."""
+        if isinstance(batch, list):  # a token-budgeted collate already cut it
+            return batch
+        if self.cfg.grad_accum == 1:
+            return [batch]
+        if not isinstance(batch, dict):
+            raise ConfigError(f"--grad_accum={self.cfg.grad_accum}: this policy's batches ({type(batch).__name__}) "
+                              "are not split here; give the policy a token budget (pi0.5: --policy.pack_token_budget)")
+        return split_batch(batch, self.cfg.grad_accum)
+
     def train_step(self, batch: Any) -> dict[str, torch.Tensor | float]:
-        """One optimizer step over a batch (or its micro-batches); metrics as tensors."""
+        """One optimizer step over this rank's share of a global batch; metrics as tensors (global values)."""
+        from roboscale.distributed.parallelize import set_gradient_sync
+
+        env, device = self.env, self.env.device
         self.optimizer.zero_grad(set_to_none=True)
-        metrics: dict[str, Any] = accumulate_gradients(self.policy, self.to_device(batch), self.objective)
-        if self.cfg.optimizer.grad_clip_norm > 0:
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
-                                                                  self.cfg.optimizer.grad_clip_norm)
-        self.optimizer.step()
+        micro = [self.to_device(m) for m in self.micro_batches(batch)]
+        count = len(micro)
+        if env.distributed:
+            count = int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
+        # the weighted loss sum, the weight sum and the token counts, summed over micro-batches (then ranks)
+        totals = torch.zeros(4, dtype=torch.float64, device=device)
+        # bf16: FSDP gathers bf16 weights (half the traffic); autocast casts what the policy computes inside a
+        # block (pixels, positions) to match them
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+        for i in range(count):
+            with set_gradient_sync(self.module, i == count - 1), autocast:
+                loss, metrics = self.module(micro[min(i, len(micro) - 1)])
+                weight = metrics["loss_weight"].to(device=device, dtype=torch.float32)
+                if i >= len(micro):  # a rank with fewer micro-batches keeps step with the others, at zero weight
+                    weight = weight * 0
+                (loss * weight).backward()
+            if i < len(micro):
+                totals += torch.stack([metrics["loss"].double() * weight.double(), weight.double(),
+                                       torch.tensor(float(metrics.get("tokens", 0)), dtype=torch.float64),
+                                       torch.tensor(float(metrics.get("computed_tokens", 0)),
+                                                    dtype=torch.float64)]).to(device)
+        if env.distributed:
+            totals = all_reduce(totals, "sum")
+        # reduced gradients are the mean over data-parallel ranks of sum_i w_i grad(loss_i): times ranks / total
+        # weight gives the global batch's weighted mean
+        scale = self.plan.dp_size / max(float(totals[1]), 1e-12)
+        for p in self.policy.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        clip = self.cfg.optimizer.grad_clip_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad],
+                                                   clip if clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        loss_value = totals[0] / totals[1].clamp_min(1e-12)
+        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_value)):
+            self.optimizer.step()
+            if self._after_step is not None:
+                self._after_step()
+            self.update_ema()
+            self._nonfinite_in_a_row = 0
+        else:
+            self.skipped_steps += 1
+            self._nonfinite_in_a_row += 1
+            log.warning("step %d: loss %s, gradient norm %s: the update was skipped", self.step + 1,
+                        float(loss_value), float(grad_norm))
+            if self._nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise TrainingError(f"step {self.step + 1}: loss or gradient norm not finite in "
+                                    f"{self._nonfinite_in_a_row} steps in a row (--max_nonfinite_steps); the last "
+                                    "checkpoint is intact. Lower --optimizer.lr, check the data, or use fp32")
         self.scheduler.step()
         self.step += 1
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
+        return {"loss": loss_value, "grad_norm": grad_norm, "tokens": totals[2], "computed_tokens": totals[3],
+                "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(self.skipped_steps)}
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        if not self.ema:
+            return
+        decay = self.cfg.ema_decay
+        for name, p in self.policy.named_parameters():
+            if name in self.ema:
+                self.ema[name].lerp_(p.detach(), 1.0 - decay)
 
     def to_device(self, batch: Any) -> Any:
-        """Where batches move to the policy's device (CPU training: they are there)."""
-        return batch
+        """Batches move to this rank's device (CPU training: they are there)."""
+        if self.env.device.type == "cpu":
+            return batch
+        if isinstance(batch, dict):
+            return {k: v.to(self.env.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()}
+        return batch.to(self.env.device, non_blocking=True) if hasattr(batch, "to") else batch
 
     def loop(self) -> Path:
         from tqdm import tqdm
 
         from roboscale.train.checkpoint import PRETRAINED, last_checkpoint
 
-        self.policy.train()
+        self.module.train()
         final = None
         with tqdm(total=self.cfg.steps, initial=self.step, desc="training", unit="step",
-                  disable=not self.progress) as bar:
+                  disable=not (self.progress and self.env.is_main)) as bar:
             while self.step < self.cfg.steps:
                 with self.telemetry.data_wait():
                     batch = next(self.loader)
@@ -232,24 +415,153 @@ class Trainer:
     def log(self, metrics: dict[str, Any], bar: Any) -> None:
         cfg = self.cfg
         log_now = self.step % cfg.log_freq == 0 or self.step == cfg.steps
-        summary = self.telemetry.step(self.step, metrics, log_now=log_now,
-                                      loader_stats=self.loader.stats() if log_now else None)
+        summary = self.telemetry.step(self.step, metrics, log_now=log_now)
         bar.update(1)
-        if summary:
-            shown = dict(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}")
-            if "tokens_per_s" in summary:
-                shown["tok_s"] = f"{summary['tokens_per_s']:.0f}"
-            bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
+        if summary is None:
+            return
+        if self.env.distributed:  # stragglers: the slowest rank's step time against the fastest's
+            times = torch.tensor([summary["step_time"], -summary["step_time"]], dtype=torch.float64)
+            slowest, fastest = all_reduce(times, "max").tolist()
+            summary["step_time_spread"] = (slowest + fastest) / max(summary["step_time"], 1e-9)
+        summary.update(memory_metrics(self.policy, self.optimizer, self.env.device))
+        self.telemetry.write(self.step, summary, self.loader.stats())
+        shown = dict(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}")
+        if "mfu" in summary:
+            shown["mfu"] = f"{100 * summary['mfu']:.1f}%"
+        bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
 
     def checkpoint(self) -> Path | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         from roboscale.train.checkpoint import prune_checkpoints, save_checkpoint
 
         cfg = self.cfg
         if self.step % cfg.save_freq and self.step != cfg.steps:
             return None
-        saved = save_checkpoint(self.output_dir, self.step, self.policy, self.state_dict(), cfg)
-        prune_checkpoints(self.output_dir, cfg.checkpoint.keep_last)
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ema:  # the averaged weights are the ones worth evaluating
+            full.update({name: gather_full(value) for name, value in self.ema.items()})
+        saved = save_checkpoint(
+            self.output_dir, self.step, policy=self.policy, sharded_state=self.sharded_state(),
+            full_model_state=full if self.env.is_main else None,
+            training_state={"trainer": self.trainer_state(), "loader": self.loader.state_dict(),
+                            "rng": torch.get_rng_state()},
+            train_config=cfg, env=self.env)
+        if self.env.is_main:
+            prune_checkpoints(self.output_dir, cfg.checkpoint.keep_last)
         return saved
+
+
+def check_parallel_options(cfg: TrainConfig, plan: Any) -> None:
+    """Options that cannot work with these ranks, named before anything is built."""
+    if cfg.batch_size % plan.dp_size:
+        raise ConfigError(f"--batch_size={cfg.batch_size} is not divisible by the {plan.dp_size} data-parallel ranks "
+                          f"(each rank takes an equal share of the global batch)")
+    share = cfg.batch_size // plan.dp_size
+    if cfg.grad_accum > share:
+        raise ConfigError(f"--grad_accum={cfg.grad_accum} exceeds each rank's {share} samples of --batch_size="
+                          f"{cfg.batch_size}")
+
+
+def freeze(policy: torch.nn.Module, components: list[str]) -> None:
+    """No gradients (and so no optimizer state) for the named components: a component name of ``roboscale model
+    info`` ("vision encoder (ViT)") or a module path ("vision", "vlm.layers")."""
+    if not components:
+        return
+    named = list(policy.named_parameters())
+    for component in components:
+        chosen = [p for name, p in named
+                  if policy.component_of(name) == component or name.startswith(component + ".")]
+        if not chosen:
+            known = sorted({policy.component_of(n) for n, _ in named} | {n.split(".")[0] for n, _ in named})
+            raise ConfigError(f"--freeze: {policy.name} has no component {component!r} (components and modules: "
+                              f"{', '.join(known)})")
+        for p in chosen:
+            p.requires_grad_(False)
+
+
+def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """A dict batch cut into ``parts`` micro-batches along the sample dimension."""
+    size = next(len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list)))
+    bounds = np.linspace(0, size, parts + 1).round().astype(int)
+    return [{k: v[a:b] if isinstance(v, (torch.Tensor, list)) else v for k, v in batch.items()}
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
+
+
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) tensor's full value on the CPU; plain tensors as they are."""
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().cpu()
+
+
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """A rank's own RNG stream (dropout), distinct per rank and per resume point."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def _local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def memory_metrics(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+                   ) -> dict[str, float]:
+    """``memory/state_bytes``: this rank's parameter + gradient + optimizer-state bytes (what sharding divides);
+    allocated and peak device memory on a GPU, the process's peak resident memory on the CPU."""
+    state = sum(_local_bytes(p) + _local_bytes(p.grad) for p in policy.parameters())
+    state += sum(_local_bytes(v) for slots in optimizer.state.values() for v in slots.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+    out = {"memory/state_bytes": float(state)}
+    if device.type == "cuda":
+        out["memory/allocated"] = float(torch.cuda.memory_allocated(device))
+        out["memory/peak"] = float(torch.cuda.max_memory_allocated(device))
+    else:
+        import resource
+
+        out["memory/peak"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return out
+
+
+def training_flops(policy: Any) -> Any:
+    """The policy's analytical training FLOPs per sample (``SampleFlops``, for MFU), with frozen components
+    counted as such; None if its registry entry states none."""
+    from roboscale.models.registry import get_spec
+
+    function = get_spec(policy.name).flops_function()
+    if function is None:
+        return None
+    flops = function(policy.config)
+    frozen = {c.name for c in flops.components} - {
+        _flops_component(policy, name) for name, p in policy.named_parameters() if p.requires_grad}
+    return flops.frozen(frozen) if frozen else flops
+
+
+def _flops_component(policy: Any, parameter_name: str) -> str:
+    """The FLOPs component (vision / language / action) a parameter's compute is counted in."""
+    component = policy.component_of(parameter_name).lower()
+    if "vision" in component or "image" in component:
+        return "vision"
+    if "language" in component or "token" in component or "vlm" in component or "llm" in component:
+        return "language"
+    return "action"
+
+
+def peak_flops(device: torch.device, precision: str, fp8: bool) -> tuple[float, str] | None:
+    """The device's peak rate for this precision and where the figure comes from (datasheet or measured)."""
+    try:
+        from roboscale.train.flops import peak_flops as peak
+    except ImportError:
+        return None
+    return peak(device, "fp8" if fp8 else precision)
 
 
 def prepare_output_dir(output_dir: Path) -> None:
@@ -293,29 +605,3 @@ def loader_workers(requested: int) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def accumulate_gradients(policy: torch.nn.Module, batch: Any, objective: Callable[..., Any]
-                         ) -> dict[str, torch.Tensor | float]:
-    """Forward and backward over a batch, or over the micro-batches of one (a list: a token-budgeted collate).
-
-    Micro-batches leave the gradients of the whole batch's loss: sum_i w_i loss_i / sum_i w_i, where w_i is the
-    ``loss_weight`` the objective reports (its loss's denominator, e.g. the unpadded action values), so a budget
-    bounds activation memory without changing the update. With data-parallel ranks the sum of weights is the
-    global one (reduced over ranks) so that the update is the global batch's. Returns the step's metrics, still
-    tensors: the loss as that weighted mean, token counts summed, the rest averaged."""
-    if not isinstance(batch, list):
-        loss, metrics = objective(policy, batch)
-        loss.backward()
-        metrics.pop("loss_weight", None)
-        return metrics
-    total_weight, sums = 0.0, defaultdict(float)
-    for micro in batch:
-        loss, metrics = objective(policy, micro)
-        weight = metrics.pop("loss_weight")
-        (loss * weight).backward()
-        total_weight = total_weight + weight
-        for key, value in metrics.items():  # the weighted loss in float64, as the update's weights add up exactly
-            sums[key] = sums[key] + (value.double() * weight.double() if key == "loss" else value)
-    for p in policy.parameters():
-        if p.grad is not None:
-            p.grad.div_(total_weight)
-    return {k: v / total_weight if k == "loss" else v if k in COUNTS else v / len(batch) for k, v in sums.items()}

@@ -186,3 +186,19 @@ def test_the_data_commands_default_to_the_formats_values() -> None:
     assert ValidateConfig().tolerance_s == ConvertConfig().tolerance_s == fmt.DEFAULT_TOLERANCE_S
     assert ConvertConfig().data_files_size_in_mb == fmt.DEFAULT_DATA_FILE_SIZE_MB
     assert ConvertConfig().video_files_size_in_mb == fmt.DEFAULT_VIDEO_FILE_SIZE_MB
+
+
+def test_encoding_video_leaves_the_callers_scheduling_as_it_was(tmp_path):
+    """SVT-AV1 makes the thread that drives it SCHED_FIFO (as root); a training in the same process then starved
+    the machine. The writer restores the caller's policy."""
+    import os
+
+    import numpy as np
+
+    from roboscale.data.lerobot.video import VideoStreamWriter
+
+    before = os.sched_getscheduler(0)
+    writer = VideoStreamWriter(tmp_path / "v.mp4", 10, 32, 32, codec="libsvtav1")
+    writer.write_many(np.zeros((4, 32, 32, 3), np.uint8))
+    writer.close()
+    assert os.sched_getscheduler(0) == before

@@ -97,7 +97,9 @@ def test_deleted_video_file(small_copy: Path) -> None:
     problems = validate(small_copy).problems
     assert [(p.path, p.field, set(p.episodes)) for p in problems] == [(path, WRIST, in_file)]
     assert "not found" in problems[0].message
-    assert str(problems[0]).startswith(f"{path}: episodes ")
+    # how many episodes share the file depends on the encoder's output sizes (file rotation): "episode 4" or
+    # "episodes 2-4"
+    assert str(problems[0]).startswith(f"{path}: episode")
 
 
 def test_timestamps_beyond_tolerance(small_copy: Path) -> None:
@@ -120,10 +122,10 @@ def test_video_span_off_by_half_a_frame(small_copy: Path, full: bool) -> None:
     pq.write_table(table, path)
     problems = validate(small_copy, full=full).problems
     mp4 = _video_file(small_copy, FRONT, 1)
-    assert {(p.path, p.field, p.episode) for p in problems} == {
-        (mp4, FRONT, 1),  # frames are not where the reader will look for them
-        (small_copy / fmt.EPISODES_DIR, f"videos/{FRONT}/from_timestamp", 2),  # and episode 2 now overlaps it
-    }, [str(p) for p in problems]
+    expected = {(mp4, FRONT, 1)}  # frames are not where the reader will look for them
+    if _video_file(small_copy, FRONT, 2) == mp4:  # and episode 2, if it follows in the same file, now overlaps it
+        expected.add((small_copy / fmt.EPISODES_DIR, f"videos/{FRONT}/from_timestamp", 2))
+    assert {(p.path, p.field, p.episode) for p in problems} == expected, [str(p) for p in problems]
     assert "tolerance_s" in _only(problems, path=mp4)[0].message
 
 

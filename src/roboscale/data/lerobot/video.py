@@ -14,8 +14,10 @@ check it is within ``tolerance_s``); ``decode_range`` decodes a contiguous span 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -67,6 +69,22 @@ def _encoder_options(codec: str, g: int, crf: int, preset: int, fast_decode: int
     return options
 
 
+@contextlib.contextmanager
+def _caller_scheduling_kept() -> Iterator[None]:
+    """Restore the calling thread's scheduling policy after a call into the encoder.
+
+    SVT-AV1 switches the thread that drives it to SCHED_FIFO at priority 99 where it may (as root). Left so, that
+    thread, and every thread it starts afterwards (OpenMP's, torch's), preempts everything else: a process that
+    writes a dataset and then trains (the demo, the test fixtures) starved concurrent jobs and its own OpenMP
+    workers (a 3 s training took 5 minutes beside another one)."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if os.sched_getscheduler(0) != policy:
+            os.sched_setscheduler(0, policy, param)
+
+
 class VideoStreamWriter:
     """One open mp4 (one video stream) that frames are appended to, episode after episode."""
 
@@ -92,10 +110,11 @@ class VideoStreamWriter:
         self.bytes_muxed = 0  # compressed bytes handed to the muxer (frames still inside the encoder excluded)
         self.packets_muxed = 0
         self._time_base = Fraction(1, self.fps)
-        self._container = av.open(str(self.path), "w", format="mp4", options={"movflags": "faststart"})
-        self._stream = self._container.add_stream(
-            self.codec, rate=self.fps, options=_encoder_options(self.codec, g, crf, preset, fast_decode)
-        )
+        with _caller_scheduling_kept():
+            self._container = av.open(str(self.path), "w", format="mp4", options={"movflags": "faststart"})
+            self._stream = self._container.add_stream(
+                self.codec, rate=self.fps, options=_encoder_options(self.codec, g, crf, preset, fast_decode)
+            )
         self._stream.width, self._stream.height = self.width, self.height
         self._stream.pix_fmt = pix_fmt
         self._stream.time_base = self._time_base
@@ -117,7 +136,9 @@ class VideoStreamWriter:
         video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
         video_frame.pts = self.frames_written
         video_frame.time_base = self._time_base
-        self._mux(self._stream.encode(video_frame))
+        with _caller_scheduling_kept():
+            packets = self._stream.encode(video_frame)
+        self._mux(packets)
         self.frames_written += 1
 
     def write_many(self, frames: np.ndarray) -> None:
@@ -134,9 +155,12 @@ class VideoStreamWriter:
             return
         self._closed = True
         try:
-            self._mux(self._stream.encode(None))
+            with _caller_scheduling_kept():
+                packets = self._stream.encode(None)
+            self._mux(packets)
         finally:
-            self._container.close()
+            with _caller_scheduling_kept():
+                self._container.close()
 
 
 # --------------------------------------------------------------------------------------------------- PNG

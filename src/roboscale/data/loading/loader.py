@@ -1,17 +1,23 @@
-"""Training batches from LeRobot v3.0 datasets or lake shards: streaming, rank-sharded, resumable.
+"""Training batches from LeRobot v3.0 datasets or lake shards: streaming, elastic across ranks, resumable.
 
-``build_loader(source, batch_size=..., num_workers=..., delta_timestamps=...)`` returns a ``StreamingLoader``:
-an endless iterator of batches (epoch after epoch) with ``state_dict()`` / ``load_state_dict()``.
+``build_loader(source, batch_size=..., num_workers=..., delta_timestamps=..., rank=r, world_size=W)`` returns a
+``StreamingLoader``: an endless iterator of batches (epoch after epoch) with ``state_dict()`` /
+``load_state_dict()``. ``batch_size`` is the *global* batch: each ``next()`` returns rank r's slice (``batch_size /
+W`` samples) of the next global batch, and the sequence of global batches does not depend on W, the rank or the
+worker count, so a run resumes on another world size or worker count where it stood (``roboscale.data.loading.plan``).
 
 A sample is the current frame of each camera (uint8 CHW), the other requested features at the current frame,
 ``delta_timestamps`` windows (LeRobot's semantics: offsets clamped to the episode, ``<key>_is_pad``), the
-``task`` string, ``episode_index`` and ``frame_index`` (+ ``dataset_index`` for mixtures). The default collate
+``task`` string, ``episode_index``, ``frame_index`` (+ ``dataset_index`` for mixtures) and ``sample_seed`` (an int
+in [0, 2**63) fixed by the seed, epoch and the sample's place in the global batch sequence: draw per-sample noise
+from it and every world size draws the same). The default collate
 stacks them into LeRobot's dict batch; a ``transform`` runs per sample and a ``collate`` per batch, both in the
 workers.
 
 The parts: sources (``source``: raw datasets and lakes behind one ``FrameSource`` contract), the sample ids over
-them (``index``), the order of an epoch over ranks and workers (``plan``: why it reads runs of consecutive frames),
-the worker side (``worker``: block decode, batch gather) and the hand-over through shared memory (``transport``).
+them (``index``), the global batches of an epoch and each rank's slice (``plan``: why it reads runs of consecutive
+frames), the worker side (``worker``: block decode, batch gather) and the hand-over through shared memory
+(``transport``).
 
 Workers start from a *forkserver* (a clean process that imported this module once), not by forking the trainer:
 by the time a loader starts, the trainer runs threads (pyarrow's pool, decoder threads, OpenMP, a Ray or gRPC
@@ -20,13 +26,15 @@ likely what hung a loader test in our CI, after an in-process Ray session). Pyth
 The cost: ``transform``, ``collate`` and the sources travel pickled, so they must be picklable (module-level
 functions or objects); pass ``multiprocessing_context="fork"`` for closures. As under spawn, the workers import
 the main module, so a script that builds loaders at module level needs an ``if __name__ == "__main__":`` guard.
-A worker that returns nothing for ``worker_timeout_s`` is reported like a crashed one, never waited on forever.
+A worker that returns nothing for ``worker_timeout_s`` is reported like a crashed one, never waited on forever
+(a worker returns a whole block at a time: the limit is per block).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,9 +47,9 @@ import torch
 from roboscale.data.lerobot import format as fmt
 from roboscale.data.lerobot.validate import readable_or_raise
 from roboscale.data.loading.index import SampleIndex
-from roboscale.data.loading.plan import EpochPlan, batch_order
+from roboscale.data.loading.plan import EpochOrder, EpochPlan, sample_seeds
 from roboscale.data.loading.source import FrameSource, open_source
-from roboscale.data.loading.transport import Arena, InArena
+from roboscale.data.loading.transport import Arena, InArena, has_refs, take
 from roboscale.data.loading.worker import BatchDataset, Fetcher, LoaderError, Task, WorkerFailure, stop_processes
 from roboscale.errors import ConfigError, DatasetError
 
@@ -121,37 +129,39 @@ def _identity(x: Any) -> Any:
 
 
 class _TaskSampler:
-    """Main process: the endless sequence of tasks from the loader's current (epoch, position)."""
+    """Main process: the endless sequence of tasks (blocks) from the loader's current (epoch, position)."""
 
     def __init__(self, loader: StreamingLoader):
         self.loader = loader
 
     def __iter__(self) -> Iterator[Task]:
         loader = self.loader
-        epoch, start, skip = loader.epoch, loader.position, loader._resume_skip
+        epoch, start = loader.epoch, loader.position
         while True:
-            blocks = loader._blocks(epoch)
-            order = loader._epoch_order(epoch, blocks)
-            if skip:
-                order = [t for t in order if t not in skip]
-                skip = set()
-            for blk, b in order[start:]:
-                yield Task(epoch, blk, b, blocks[blk], loader.batch_size)
+            order = loader._order(epoch)
+            if start < order.batches:
+                for block in range(order.block_of(start), len(order.block_start) - 1):
+                    yield loader._task(order, block, start)
             epoch, start = epoch + 1, 0
+
+
+STATE_FORMAT = 2  # state_dict's layout: global batch positions (1: per-rank positions, before elastic loading)
 
 
 class StreamingLoader:
     """Endless iterator of batches; ``roboscale.data.loading.plan`` has the order, sharding and resume semantics."""
 
-    def __init__(self, sample_index: SampleIndex, dataset: BatchDataset, plan: EpochPlan, *, num_workers: int,
-                 prefetch_factor: int, pin_memory: bool, multiprocessing_context: str,
-                 excluded: list[tuple[str, int, str]], arena_bytes: int = 0, worker_timeout_s: float = 0.0):
+    def __init__(self, sample_index: SampleIndex, dataset: BatchDataset, plan: EpochPlan, *, rank: int,
+                 world_size: int, num_workers: int, prefetch_factor: int, pin_memory: bool,
+                 multiprocessing_context: str, excluded: list[tuple[str, int, str]], arena_bytes: int = 0,
+                 worker_timeout_s: float = 0.0):
         self.sample_index = sample_index
         self.arena_bytes = arena_bytes
         self._arena: Arena | None = None
         self._dataset = dataset
         self._plan = plan
-        self.batch_size = plan.batch_size
+        self.batch_size = plan.batch_size  # global
+        self.rank, self.world_size = rank, world_size
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
@@ -159,36 +169,57 @@ class StreamingLoader:
         self.worker_timeout_s = worker_timeout_s
         self._fetcher: Fetcher | None = None
         self.epoch = 0
-        self.position = 0
-        self._resume_skip: set[tuple[int, int]] = set()
+        self.position = 0  # global batches of ``epoch`` returned (or skipped)
         self._iter: Iterator | None = None
-        self._cached_blocks: tuple[int, list[np.ndarray]] | None = None
+        self._orders: dict[int, EpochOrder] = {}
+        self._block: tuple[Any, dict[str, Any]] | None = None  # the block being yielded: (batches, info)
+        self._next_in_block = 0
         self.data_wait_s = 0.0
         self.last_wait_s = 0.0
         self.batches = 0
         self.decode_s = 0.0
+        self.decoded_samples = 0  # samples of the blocks received from the workers (``decode_s`` is theirs)
         self.skipped_episodes: dict[tuple[str, int], str] = {(name, ep): why for name, ep, why in excluded}
         self.refilled_samples = 0
         self.skipped_batches = 0
         self._empty_in_a_row = 0
         self.arena_batches = 0  # handed over through the shared-memory arena
+        self._episodes_sum = 0
 
     @property
     def batches_per_epoch(self) -> int:
+        """Global batches per epoch (the same on every rank)."""
         return self._plan.batches_per_epoch
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples per ``next()``: this rank's slice of a global batch."""
+        return self.batch_size // self.world_size
 
     @property
     def sources(self) -> list[FrameSource]:
         return self.sample_index.sources
 
-    def _blocks(self, epoch: int) -> list[np.ndarray]:
-        if self._cached_blocks is None or self._cached_blocks[0] != epoch:
-            self._cached_blocks = (epoch, self._plan.epoch(epoch))
-        return self._cached_blocks[1]
+    def _order(self, epoch: int) -> EpochOrder:
+        if epoch not in self._orders:
+            while len(self._orders) >= 2:  # the epoch being yielded and the one the workers prefetch into
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = self._plan.epoch(epoch)
+        return self._orders[epoch]
 
-    def _epoch_order(self, epoch: int, blocks: list[np.ndarray], num_workers: int | None = None):
-        sizes = [len(b) // self.batch_size + (len(b) % self.batch_size > 0) for b in blocks]
-        return batch_order(sizes, self.num_workers if num_workers is None else num_workers)
+    def _task(self, order: EpochOrder, block: int, start: int) -> Task:
+        """This rank's share of ``block``, for its global batches from ``start`` on."""
+        first, end = int(order.block_start[block]), int(order.block_start[block + 1])
+        batches = np.arange(max(first, start), end)
+        share = order.share(block, self.rank, self.world_size)
+        per_rank = self.local_batch_size
+        rows = order.slot[batches][:, None] + (end - first) * np.arange(per_rank)[None]
+        if len(batches) < end - first:  # resuming inside the block: decode only what is left
+            used = np.unique(rows)
+            share, rows = share[used], np.searchsorted(used, rows)
+        positions = self.rank * per_rank + np.arange(per_rank)
+        seeds = sample_seeds(self._plan.seed, order.epoch, self.batch_size, batches[:, None], positions[None])
+        return Task(order.epoch, block, share, batches, rows, seeds)
 
     # ------------------------------------------------------------------ iteration
 
@@ -196,22 +227,20 @@ class StreamingLoader:
         from torch.utils.data import DataLoader
 
         workers = self.num_workers
+        blocks_ahead = self._blocks_ahead()
         if workers and self.arena_bytes and self._arena is None:
-            try:
-                self._arena = Arena(workers, self.prefetch_factor + 2, self.arena_bytes)
-            except RuntimeError as e:  # e.g. a small /dev/shm: torch's own path still works
-                log.warning("loader: no shared-memory arena (%s); batches take torch's slower path", e)
-                self.arena_bytes = 0
+            self._arena = self._make_arena(workers, blocks_ahead + 1)
         if self._arena is not None:
             self._arena.busy.zero_()  # the previous workers are gone; so are their unread slots
         self._dataset.arena = self._arena
+        self._block, self._next_in_block = None, 0
         loader = DataLoader(
             self._dataset,
             sampler=_TaskSampler(self),
             batch_size=None,
             collate_fn=_identity,
             num_workers=workers,
-            prefetch_factor=self.prefetch_factor if workers else None,
+            prefetch_factor=blocks_ahead if workers else None,
             pin_memory=self.pin_memory,
             multiprocessing_context=_worker_context(self.multiprocessing_context) if workers else None,
             # our own generator: creating the iterator must not consume the global RNG (bit-exact resume)
@@ -222,46 +251,103 @@ class StreamingLoader:
             self._fetcher = Fetcher(iterator)
         return iterator
 
+    def _blocks_ahead(self) -> int:
+        """Blocks each worker prepares ahead: ``prefetch_factor`` batches, rounded up to whole blocks."""
+        return max(1, -(-self.prefetch_factor // self._plan.block_batches))
+
+    def _make_arena(self, workers: int, slots: int) -> Arena | None:
+        total = workers * slots * self.arena_bytes
+        try:
+            shm = os.statvfs("/dev/shm")
+            free = shm.f_bavail * shm.f_frsize
+        except OSError:
+            free = None
+        # slots are allocated lazily (written pages only): refuse up front what /dev/shm could not hold, rather
+        # than a SIGBUS in a worker later
+        why = f"{total / 2**20:.0f} MiB wanted, {free / 2**20:.0f} MiB free in /dev/shm" \
+            if free is not None and total > free // 2 else None
+        if why is None:
+            try:
+                return Arena(workers, slots, self.arena_bytes)
+            except RuntimeError as e:  # e.g. no /dev/shm: torch's own path still works
+                why = str(e)
+        log.warning("loader: no shared-memory arena (%s); batches take torch's slower path", why)
+        self.arena_bytes = 0
+        return None
+
     def __iter__(self) -> StreamingLoader:
         self.close()
         self._iter = self._start()
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def _fetch_block(self) -> None:
+        """The next block's batches from the workers (or in process)."""
+        fetcher = self._fetcher
+        try:
+            if fetcher is None:
+                batches, info = next(self._iter)
+            else:
+                workers = list(getattr(fetcher.iterator, "_workers", []))
+                batches, info = fetcher.next(self.worker_timeout_s, lambda: stop_processes(workers))
+        except (LoaderError, DatasetError):
+            raise
+        except Exception as e:  # a worker crash or a time-out: name what it was working on
+            where = ""
+            try:
+                ids = self._order(self.epoch).batch(self.position, self.rank, self.world_size)
+                where = f" on batch {self.position} of epoch {self.epoch} (first sample: " \
+                        f"{self.sample_index.describe(int(ids[0]))})"
+            except IndexError:
+                pass
+            why = f"{type(e).__name__}: {e}"
+            if isinstance(e, TimeoutError):
+                why = f"no batch for {self.worker_timeout_s:g} s (worker_timeout_s): the workers timed out and " \
+                      f"were stopped" + (f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else "")
+            elif "exited unexpectedly" in why and self.multiprocessing_context != "fork":
+                why += " (its error, if any, is on stderr above; workers import your main module, so a script " \
+                       "that builds loaders at module level needs `if __name__ == \"__main__\":`)"
+            self.close()
+            raise LoaderError(f"data loader failed{where}: {why}") from e
+        self.decode_s += info["decode_s"]
+        self.decoded_samples += info["decoded"]
+        for name, ep, why in info["skipped"]:
+            if (name, ep) not in self.skipped_episodes:
+                log.warning("skipping unreadable episode %d of %s: %s", ep, name, why)
+            self.skipped_episodes[(name, ep)] = why
+        self._block, self._next_in_block = (batches, info), 0
+
+    def _take(self) -> tuple[Any, int, int]:
+        """The next batch of the current block (copied out of the arena), its refilled samples and episodes."""
+        batches, info = self._block
+        i = self._next_in_block
+        self._next_in_block += 1
+        arena = isinstance(batches, InArena)
+        items = batches.tree if arena else batches
+        last = self._next_in_block >= len(items)
+        batch = items[i]
+        if arena:
+            if batch is not None and not isinstance(batch, WorkerFailure) and has_refs(batch):
+                if batches.buffer is None:
+                    batch = self._arena.take(batches, self.pin_memory, part=i, release=False)
+                    self.arena_batches += 1
+                else:
+                    batch = take(batches, self.pin_memory, part=i)
+            if last and batches.buffer is None:
+                self._arena.release(batches)
+        if last:
+            self._block = None
+        if isinstance(batch, WorkerFailure):
+            return batch, 0, 0
+        return batch, info["short"][i], info["episodes"][i]
+
+    def __next__(self) -> Any:
         if self._iter is None:
             self._iter = self._start()
         while True:
             t0 = time.perf_counter()
-            fetcher = self._fetcher
-            try:
-                if fetcher is None:
-                    batch, info = next(self._iter)
-                else:
-                    workers = list(getattr(fetcher.iterator, "_workers", []))
-                    batch, info = fetcher.next(self.worker_timeout_s, lambda: stop_processes(workers))
-            except LoaderError:
-                raise
-            except DatasetError:
-                raise
-            except Exception as e:  # a worker crash or a time-out: name what it was working on
-                blocks = self._blocks(self.epoch)
-                order = self._epoch_order(self.epoch, blocks)
-                pending = [t for t in order if t not in self._resume_skip][self.position] \
-                    if self.position < len(order) else None
-                where = ""
-                if pending is not None:
-                    ids = blocks[pending[0]][pending[1] * self.batch_size:(pending[1] + 1) * self.batch_size]
-                    where = f" on batch {self.position} of epoch {self.epoch} (first sample: " \
-                            f"{self.sample_index.describe(int(ids[0]))})"
-                why = f"{type(e).__name__}: {e}"
-                if isinstance(e, TimeoutError):
-                    why = f"no batch for {self.worker_timeout_s:g} s (worker_timeout_s): the workers timed out and " \
-                          f"were stopped" + (f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else "")
-                elif "exited unexpectedly" in why and self.multiprocessing_context != "fork":
-                    why += " (its error, if any, is on stderr above; workers import your main module, so a script " \
-                           "that builds loaders at module level needs `if __name__ == \"__main__\":`)"
-                self.close()
-                raise LoaderError(f"data loader failed{where}: {why}") from e
+            if self._block is None:
+                self._fetch_block()
+            batch, short, episodes = self._take()
             if isinstance(batch, WorkerFailure):
                 self.close()
                 error = batch.error()
@@ -270,20 +356,12 @@ class StreamingLoader:
                                        "skip unreadable ones: --skip-bad-episodes, skip_bad_episodes=True)",
                                        field=error.field, episode=error.episode)
                 raise error
-            if isinstance(batch, InArena):
-                batch = self._arena.take(batch, self.pin_memory)
-                self.arena_batches += 1
             self.last_wait_s = time.perf_counter() - t0
             self.data_wait_s += self.last_wait_s
-            self.decode_s += info["decode_s"]
-            for name, ep, why in info["skipped"]:
-                if (name, ep) not in self.skipped_episodes:
-                    log.warning("skipping unreadable episode %d of %s: %s", ep, name, why)
-                self.skipped_episodes[(name, ep)] = why
-            self.refilled_samples += info["short"]
+            self.refilled_samples += short
             self.position += 1
-            if self.position >= self.batches_per_epoch - len(self._resume_skip):
-                self.epoch, self.position, self._resume_skip = self.epoch + 1, 0, set()
+            if self.position >= self.batches_per_epoch:
+                self.epoch, self.position = self.epoch + 1, 0
             if batch is None:
                 self.skipped_batches += 1
                 self._empty_in_a_row += 1
@@ -296,15 +374,17 @@ class StreamingLoader:
                 continue
             self._empty_in_a_row = 0
             self.batches += 1
+            self._episodes_sum += episodes
             return batch
 
-    def take(self, n: int) -> list[dict[str, Any]]:
+    def take(self, n: int) -> list[Any]:
         return [next(self) for _ in range(n)]
 
     def close(self) -> None:
         """Stop the workers (the next ``next()`` starts them again where the loader stands)."""
         it, self._iter = self._iter, None
         fetcher, self._fetcher = self._fetcher, None
+        self._block = None  # batches received but not returned are served again by the next workers
         if fetcher is not None:
             fetcher.close()
         if it is not None and hasattr(it, "_shutdown_workers"):
@@ -324,33 +404,45 @@ class StreamingLoader:
     # ------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the consumer stands (batches already *returned*, not those prefetched by workers)."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self._plan.seed,
-                "num_workers": self.num_workers, "batch_size": self.batch_size,
-                "world_size": self._plan.world_size, "rank": self._plan.rank,
-                "skip": sorted([list(t) for t in self._resume_skip])}
+        """Where the consumer stands in the global batch sequence: ``position`` global batches of ``epoch`` already
+        *returned* (not those prefetched by workers). The same on every rank, and loadable on another world size or
+        worker count."""
+        plan = self._plan
+        return {"format": STATE_FORMAT, "epoch": self.epoch, "position": self.position, "seed": plan.seed,
+                "batch_size": self.batch_size, "block_batches": plan.block_batches,
+                "chunk_frames": plan.chunk_frames, "shuffle": plan.shuffle,
+                # informational: where it was saved (any world size / worker count may load it)
+                "world_size": self.world_size, "num_workers": self.num_workers}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, mine in (("seed", self._plan.seed), ("batch_size", self.batch_size),
-                           ("world_size", self._plan.world_size)):
-            if name in state and int(state[name]) != mine:
-                raise ValueError(f"loader state was saved with {name}={state[name]}, this loader has {mine}: "
+        if int(state.get("format", 1)) != STATE_FORMAT:
+            raise ValueError(f"loader state of format {state.get('format', 1)} (keys {sorted(state)}), from before "
+                             f"global batch positions (format {STATE_FORMAT}): its per-rank position cannot be "
+                             "continued; start the data order afresh (drop the checkpoint's loader state)")
+        plan = self._plan
+        settings = [("seed", plan.seed), ("batch_size", self.batch_size)]
+        if int(state["position"]):  # mid-epoch, the epoch's order must be the one it was saved with
+            settings += [("block_batches", plan.block_batches), ("chunk_frames", plan.chunk_frames),
+                         ("shuffle", plan.shuffle)]
+        for name, mine in settings:
+            if name in state and type(mine)(state[name]) != mine:
+                what = f"{name} (block_samples // batch_size)" if name == "block_batches" else name
+                raise ValueError(f"loader state was saved with {what}={state[name]}, this loader has {mine}: "
                                  "resuming would not continue the same sample sequence")
         self.close()
-        epoch, position = int(state["epoch"]), int(state["position"])
-        old_workers = int(state.get("num_workers", self.num_workers))
-        skip = {tuple(t) for t in state.get("skip", [])}
-        if old_workers != self.num_workers and position:
-            blocks = self._blocks(epoch)
-            old = [t for t in self._epoch_order(epoch, blocks, old_workers) if t not in skip]
-            skip |= set(old[:position])
-            position = 0
-        self.epoch, self.position, self._resume_skip = epoch, position, skip
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if self.position >= self.batches_per_epoch:
+            raise ValueError(f"loader state is at batch {self.position} of an epoch of {self.batches_per_epoch} "
+                             "batches: the data changed since it was saved")
 
     def stats(self) -> dict[str, float]:
+        """Counters since the loader was built. ``distinct_episodes``: mean number of distinct episodes per returned
+        batch (this rank's slice; on one rank, the global batch)."""
         return {"data_wait_s": self.data_wait_s, "batches": self.batches, "decode_s": self.decode_s,
+                "decoded_samples": self.decoded_samples,
                 "skipped_episodes": len(self.skipped_episodes), "refilled_samples": self.refilled_samples,
-                "arena_batches": self.arena_batches}
+                "arena_batches": self.arena_batches,
+                "distinct_episodes": self._episodes_sum / self.batches if self.batches else 0.0}
 
 
 def check_sources(sources: Sequence[FrameSource], names: Sequence[str], *, skip_bad_episodes: bool
@@ -397,13 +489,22 @@ def build_loader(
     or a list of those, each optionally ``(item, weight)`` (mixture weights: a source's share of every epoch;
     without weights, shares follow the sources' frame counts).
 
+    ``batch_size``: the *global* batch, divisible by ``world_size``; each ``next()`` returns rank ``rank``'s
+    ``batch_size / world_size`` samples (positions ``[rank, rank + 1) * batch_size / world_size``) of the next
+    global batch. The global batch sequence depends on ``seed``, the data, ``batch_size``, ``block_samples``,
+    ``chunk_frames`` and ``shuffle`` only (``roboscale.data.loading.plan``): pass the same values on every world
+    size to resume across them. ``block_samples`` is global too: each rank decodes ``block_samples / world_size``
+    samples per block.
+
     ``keys``: features to load (default: every feature; cameras cost decoding, so pass what the policy reads).
     ``delta_timestamps``: ``{key: [seconds, ...]}`` windows, as LeRobot. ``transform`` runs per sample and
     ``collate`` per batch in the workers (default: stack into a dict batch). ``pin_memory`` defaults to CUDA
-    availability. ``block_samples`` / ``chunk_frames``: see ``roboscale.data.loading.plan``. ``shared_arena``:
-    workers hand batches over through recycled shared memory (``roboscale.data.loading.transport``; costs
-    ``num_workers x (prefetch_factor + 2)`` batch-sized buffers, sized from the features with 25% headroom for what
-    transforms add).
+    availability. ``block_samples`` / ``chunk_frames``: see ``roboscale.data.loading.plan`` (``block_samples >=
+    batch_size * chunk_frames`` gives batches of distinct chunks). ``prefetch_factor``: batches each worker
+    prepares ahead, rounded up to whole blocks (a worker prepares a block at a time). ``shared_arena``: workers
+    hand batches over through recycled shared memory (``roboscale.data.loading.transport``; ``num_workers x
+    (blocks ahead + 1)`` slots of one block's batches each, sized from the features with 25% headroom for what
+    transforms add; pages are allocated as written).
     ``multiprocessing_context``: how workers start ("forkserver", "spawn" or "fork"; see the module docstring).
     ``worker_timeout_s``: a worker silent this long fails the loader with the batch it was on (0: wait forever).
     ``check``: run each source's cheap up-front checks (``FrameSource.unreadable_episodes``: what LeRobot's reader
@@ -414,6 +515,9 @@ def build_loader(
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if batch_size % world_size:
+        raise ConfigError(f"batch_size {batch_size} (the global batch) is not divisible by the world size "
+                          f"{world_size}: every rank takes batch_size / world_size samples of each batch")
     options = dict(source_options or {})
     opened = [(_open(item, options), weight) for item, weight in _parse_source(source)]
     sources = [s for (s, _), _ in opened]
@@ -457,13 +561,13 @@ def build_loader(
         quotas = np.array([int(round(total * weight / weight_sum)) if frames[i] else 0
                            for i, weight in enumerate(weights)],
                           dtype=np.int64)
-    # unshuffled: one batch per block, so the batches dealt round-robin to workers come back in dataset order
+    # unshuffled: one batch per block, so batches come in dataset order
     block_batches = max(1, block_samples // batch_size) if shuffle else 1
     plan = EpochPlan(lengths, sample_index.starts[:-1], sample_index.source_of, quotas, batch_size, block_batches,
-                 max(1, chunk_frames), shuffle, seed, rank, world_size)
+                     max(1, chunk_frames), shuffle, seed)
     if plan.batches_per_epoch == 0:
         raise ConfigError(f"{', '.join(names)}: {int(quotas.sum())} samples per epoch are too few for batch_size "
-                          f"{batch_size} x world_size {world_size}")
+                          f"{batch_size}")
     if num_workers:
         for what, obj in (("transform", transform), ("collate", collate)):
             _check_picklable(what, obj, multiprocessing_context)
@@ -472,15 +576,16 @@ def build_loader(
     dataset = BatchDataset(sample_index, keys, deltas, cameras, transform, collate, skip_bad_episodes)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    arena_bytes = 0
-    if shared_arena and num_workers:
-        per_sample = 0
-        for key in keys:
-            ft = first.features[key]
-            t = len(deltas[key]) if key in deltas else 1
-            size = int(np.prod(fmt.image_hwc(ft))) if key in cameras else 8 * int(np.prod(fmt.feature_shape(ft)))
-            per_sample += t * size
-        arena_bytes = int(1.25 * batch_size * per_sample) + (1 << 20)
-    return StreamingLoader(sample_index, dataset, plan, num_workers=num_workers, prefetch_factor=prefetch_factor,
+    per_sample = 0
+    for key in keys:
+        ft = first.features[key]
+        t = len(deltas[key]) if key in deltas else 1
+        size = int(np.prod(fmt.image_hwc(ft))) if key in cameras else 8 * int(np.prod(fmt.feature_shape(ft)))
+        per_sample += t * size
+    # a hand-over slot holds one block's batches (this rank's slices)
+    dataset.block_bytes = int(1.25 * block_batches * (batch_size // world_size) * per_sample) + (1 << 20)
+    arena_bytes = dataset.block_bytes if shared_arena and num_workers else 0
+    return StreamingLoader(sample_index, dataset, plan, rank=rank, world_size=world_size, num_workers=num_workers,
+                           prefetch_factor=prefetch_factor,
                            pin_memory=pin_memory, multiprocessing_context=multiprocessing_context, excluded=excluded,
                            arena_bytes=arena_bytes, worker_timeout_s=worker_timeout_s)

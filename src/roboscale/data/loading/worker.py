@@ -1,10 +1,13 @@
-"""The loader's worker side: decode a block of samples in one pass, gather batches from it, and report failures
-as records; and, in the main process, the thread that waits on the workers and the means to stop them.
+"""The loader's worker side: decode this rank's share of a block in one pass, gather all the block's batches from
+it, and report failures as records; and, in the main process, the thread that waits on the workers and the means
+to stop them.
 
-A worker receives tasks (a batch of one block, with the whole block's sample ids) from the main process. It decodes
-the block the first time a batch of it is asked for (each episode's frames in one read, cameras in one sequential
-pass) and keeps it, and the next, so the block's later batches are array gathers. Without user transforms the
-camera frames are written straight into a shared-memory slot (``roboscale.data.loading.transport``).
+A worker receives tasks (one block: this rank's share of its sample ids, and for each of the block's global batches
+still to serve, the rows of the share that make this rank's slice and their per-sample seeds) from the main
+process. It decodes the share (each episode's frames in one read, cameras in one sequential pass), gathers every
+batch of the block (array gathers; without user transforms camera frames are written straight into a
+shared-memory slot, ``roboscale.data.loading.transport``) and returns them together, so the loader can yield them in
+the plan's order while the other workers decode the next blocks. The decoded share is dropped afterwards.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from roboscale.data.loading.index import SampleIndex
-from roboscale.data.loading.transport import Arena, Slot
+from roboscale.data.loading.transport import Arena, InArena, Slot
 from roboscale.errors import DatasetError, RoboscaleError, from_record, to_record
 
 # numpy kind -> dtype LeRobot's items have (hf_transform_to_torch: floats -> float32, ints -> int64)
@@ -35,13 +37,14 @@ class LoaderError(RoboscaleError, RuntimeError):
 
 @dataclass
 class Task:
-    """One batch for a worker to return: batch ``batch`` of block ``block`` of ``epoch``."""
+    """This rank's share of block ``block`` of ``epoch``, and the global batches of it to return."""
 
     epoch: int
     block: int
-    batch: int
-    samples: np.ndarray  # the whole block's sample ids (the worker decodes it once)
-    batch_size: int
+    samples: np.ndarray  # the sample ids this rank reads of the block (decoded in one pass)
+    batches: np.ndarray  # [n] global batch index (within the epoch) of each batch to return, in yield order
+    rows: np.ndarray  # [n, slice]: indices into ``samples`` of each batch's slice, in position order
+    seeds: np.ndarray  # [n, slice] int64: each position's sample seed (``plan.sample_seeds``)
 
 
 @dataclass
@@ -77,53 +80,63 @@ class BatchDataset(torch.utils.data.Dataset):
         self.collate = collate
         self.skip_bad = skip_bad_episodes
         self.arena: Arena | None = None  # set by the loader before workers start
+        self.block_bytes = 1 << 20  # a one-off hand-over buffer's size (the loader sets one block's estimate)
         self._sent = 0
-        self._blocks: OrderedDict[tuple[int, int], _Block] = OrderedDict()
 
-    def __getitem__(self, task: Task) -> tuple[Any, dict[str, Any]]:
-        # Errors travel back as values: torch would re-raise them with the worker's traceback pasted into the
-        # message (and cannot rebuild a DatasetError); the main process raises them as they were.
-        try:
-            return self._get(task)
-        except RoboscaleError as e:
-            failure = WorkerFailure(to_record(e))
-        except Exception as e:  # noqa: BLE001 - anything else is reported with where it happened
-            traceback.print_exc()  # the worker's stderr: the full traceback for debugging
-            first_sample = task.samples[min(task.batch * task.batch_size, len(task.samples) - 1)]
-            first = self.sample_index.describe(int(first_sample))
-            failure = WorkerFailure(to_record(LoaderError(f"loader worker failed on batch {task.batch} of a block "
-                                                          f"starting at ({first}): {type(e).__name__}: {e}")))
-        return failure, {"skipped": [], "decode_s": 0.0, "short": 0}
-
-    def _get(self, task: Task) -> tuple[Any, dict[str, Any]]:
-        key = (task.epoch, task.block)
-        block = self._blocks.get(key)
-        fresh = block is None
-        if block is None:
-            block = self._prepare(task.samples)
-            self._blocks[key] = block
-            while len(self._blocks) > 2:  # the current block, and one more for the epoch tail's interleaving
-                self._blocks.popitem(last=False)
-        sel = np.arange(task.batch * task.batch_size, min((task.batch + 1) * task.batch_size, len(block.gids)))
-        info = {"skipped": block.skipped if fresh else [], "decode_s": block.decode_s if fresh else 0.0,
-                "short": 0}
-        ok = sel[block.good[sel]]
-        if len(ok) < len(sel):
-            pool = np.flatnonzero(block.good)
-            if len(pool) == 0:
-                return None, info
-            # keep the batch size: refill from the block's readable samples (deterministic)
-            fill = pool[(task.batch * task.batch_size + np.arange(len(sel) - len(ok))) % len(pool)]
-            info["short"] = len(sel) - len(ok)
-            sel = np.concatenate([ok, fill])
+    def __getitem__(self, task: Task) -> tuple[list[Any] | InArena, dict[str, Any]]:
+        """(the block's batches in yield order, info). Errors travel back as values: a ``WorkerFailure`` in place of
+        the batch that failed (the batches before it are still served; torch would re-raise an exception with the
+        worker's traceback pasted into the message, and cannot rebuild a DatasetError)."""
+        info: dict[str, Any] = {"skipped": [], "decode_s": 0.0, "decoded": len(task.samples), "short": [],
+                                "episodes": []}
+        batches: list[Any] = []
         worker = torch.utils.data.get_worker_info()
         slot = None
-        if self.arena is not None and worker is not None:
-            slot = self.arena.reserve(worker.id, self._sent)
-            self._sent += 1
-        # without user transforms, camera frames are written straight into the slot (no copy to hand them over)
-        batch = self._batch(block, sel, slot if self.transform is None and self.collate is None else None)
-        return (slot.pack(batch) if slot is not None else batch), info
+        try:
+            block = self._prepare(task.samples)
+            info["skipped"], info["decode_s"] = block.skipped, block.decode_s
+            if worker is not None:  # hand the block over in shared memory: an arena slot, else a one-off buffer
+                slot = self.arena.reserve(worker.id, self._sent) if self.arena is not None else None
+                self._sent += 1
+                slot = slot or Slot.one_off(self.block_bytes)
+            # without user transforms, camera frames are written straight into the slot (no copy to hand them over)
+            direct = slot if self.transform is None and self.collate is None else None
+            for i in range(len(task.batches)):
+                batch, short, episodes = self._one(block, task, i, direct)
+                # moved into the slot now: a collate's tensors (shared memory, a file descriptor each) are freed
+                batches.append(slot.put(batch) if slot is not None else batch)
+                del batch
+                info["short"].append(short)
+                info["episodes"].append(episodes)
+        except RoboscaleError as e:
+            batches.append(WorkerFailure(to_record(e)))
+        except Exception as e:  # noqa: BLE001 - anything else is reported with where it happened
+            traceback.print_exc()  # the worker's stderr: the full traceback for debugging
+            i = len(batches)
+            rows = task.rows[min(i, len(task.rows) - 1)]
+            first = self.sample_index.describe(int(task.samples[rows[0]]))
+            batches.append(WorkerFailure(to_record(LoaderError(
+                f"loader worker failed on batch {int(task.batches[min(i, len(task.batches) - 1)])} of epoch "
+                f"{task.epoch} (block {task.block}, first sample: {first}): {type(e).__name__}: {e}"))))
+        return (slot.handover(batches) if slot is not None else batches), info
+
+    def _one(self, block: _Block, task: Task, i: int, slot: Slot | None) -> tuple[Any, int, int]:
+        """Batch ``i`` of the task, the number of its samples refilled, and its number of distinct episodes."""
+        sel = task.rows[i]
+        seeds = task.seeds[i]
+        ok = block.good[sel]
+        short = int(len(sel) - ok.sum())
+        if short:
+            pool = np.flatnonzero(block.good)
+            if len(pool) == 0:  # nothing readable to refill from: the batch is skipped
+                return None, 0, 0
+            # keep the batch size: refill from this share's readable samples (deterministic); a refilled position
+            # keeps its seed
+            fill = pool[(int(task.batches[i]) * len(sel) + np.arange(short)) % len(pool)]
+            sel = sel.copy()
+            sel[~ok] = fill
+        episodes = len(np.unique(block.ep[sel]))
+        return self._batch(block, sel, seeds, slot), short, episodes
 
     # ------------------------------------------------------------------ decode a block
 
@@ -184,34 +197,31 @@ class BatchDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ gather a batch
 
     @staticmethod
-    def _frames(block: _Block, key: str, slot: np.ndarray, frames: np.ndarray, arena: Slot | None,
-                shared: bool) -> torch.Tensor:
-        """uint8 [B, (T,) C, H, W]: one copy per frame, transposing HWC -> CHW on the way (into shared memory when
-        it will cross to the main process without the arena: saves torch's copy into a new segment)."""
+    def _frames(block: _Block, key: str, slot: np.ndarray, frames: np.ndarray, arena: Slot | None) -> torch.Tensor:
+        """uint8 [B, (T,) C, H, W]: one copy per frame, transposing HWC -> CHW on the way (into the hand-over slot
+        when there is one)."""
         parts, luts = block.frames[key], block.frame_lut[key]
         h, w, c = next(p for p in parts if p is not None).shape[1:]
         shape = (*frames.shape, c, h, w)
         batch = arena.empty(shape, torch.uint8) if arena is not None else torch.empty(shape, dtype=torch.uint8)
-        if shared and arena is None:
-            batch.share_memory_()
         out = batch.numpy().reshape(-1, c, h, w)
         flat_slot = np.broadcast_to(slot.reshape(-1, *([1] * (frames.ndim - 1))), frames.shape).ravel()
         for i, (s, fr) in enumerate(zip(flat_slot.tolist(), frames.ravel().tolist(), strict=True)):
             np.copyto(out[i], parts[s][luts[s][fr]].transpose(2, 0, 1))
         return batch
 
-    def _batch(self, block: _Block, sel: np.ndarray, arena: Slot | None = None) -> dict[str, Any]:
+    def _batch(self, block: _Block, sel: np.ndarray, seeds: np.ndarray, arena: Slot | None = None
+               ) -> dict[str, Any]:
         slot, frame = block.slot[sel], block.frame[sel]
         episode_length = block.lengths[slot]
         out: dict[str, Any] = {}
-        in_worker = torch.utils.data.get_worker_info() is not None and self.arena is None
         for key in self.keys:
             offsets = self.deltas.get(key)
             wanted = frame if offsets is None else frame[:, None] + offsets[None]  # [B] or a window [B, T]
             length = episode_length if offsets is None else episode_length[:, None]
             clamped = np.clip(wanted, 0, length - 1)  # LeRobot's windows repeat the edge frame
             if key in self.camera_keys:
-                out[key] = self._frames(block, key, slot, clamped, arena, in_worker)
+                out[key] = self._frames(block, key, slot, clamped, arena)
             else:
                 rows = block.lut[key][block.lut_start[key][slot].reshape(-1, *([1] * (wanted.ndim - 1))) + clamped]
                 values = block.values[key][rows]
@@ -229,9 +239,13 @@ class BatchDataset(torch.utils.data.Dataset):
         out["frame_index"] = torch.from_numpy(frame.astype(np.int64))
         if len(sample_index.sources) > 1:
             out["dataset_index"] = torch.from_numpy(sample_index.source_of[episode])
+        seeds = np.asarray(seeds, dtype=np.int64)
         if self.transform is None and self.collate is None:
+            out["sample_seed"] = torch.from_numpy(seeds.copy())
             return out
         samples = [{k: (v[i] if not isinstance(v, list) else v[i]) for k, v in out.items()} for i in range(len(sel))]
+        for sample, seed in zip(samples, seeds.tolist(), strict=True):
+            sample["sample_seed"] = seed  # a Python int: default_collate stacks it into int64 [B]
         if self.transform is not None:
             for i, sample in enumerate(samples):
                 try:

@@ -14,6 +14,10 @@ class GrootConfig(PolicyConfig):
     """GR00T N1.5-style policy. Defaults are the CPU-trainable demo size; ``--preset full`` is GR00T N1.5 (2.4 B)."""
 
     type: ClassVar[str] = "groot"
+    finetune_options: ClassVar[frozenset[str]] = PolicyConfig.finetune_options | {
+        "tune_llm", "tune_visual", "max_language_tokens", "packed", "attention_backend", "embodiment_id", "dropout",
+        "num_inference_steps", "noise_beta_alpha", "noise_beta_beta", "noise_s", "state_norm", "action_norm",
+        "action_loss_mask"}
 
     # --- vision (SigLIP-style ViT) and projector ---
     vit_patch_size: int = 8

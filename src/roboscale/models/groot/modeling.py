@@ -32,6 +32,7 @@ from torch import nn
 
 from roboscale.errors import ConfigError
 from roboscale.models.attention import BACKENDS
+from roboscale.models.flops import SampleFlops, attention_flops, linear_flops, sample_flops, vit_flops
 from roboscale.models.flow_matching import FlowMatching
 from roboscale.models.groot.config import GrootConfig
 from roboscale.models.groot.head import FlowMatchingActionHead
@@ -116,8 +117,9 @@ class GrootPolicy(Policy):
             raise ConfigError(f"policy.attention_backend: {cfg.attention_backend!r} is not one of {list(BACKENDS)}")
         self.vlm = EagleVLM(cfg)
         self.action_head = FlowMatchingActionHead(cfg, cfg.llm_width)
-        self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm)
-        self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm)
+        # a dataset narrower than the state/action sizes (a checkpoint's padded maxima) is zero-padded to them
+        self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm, data_dim=cfg.dataset_state_dim)
+        self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm, data_dim=cfg.dataset_action_dim)
         self.vlm.vision.requires_grad_(cfg.tune_visual)
         self.vlm.projector.requires_grad_(cfg.tune_visual)
         for module in (self.vlm.embed_tokens, self.vlm.layers, self.vlm.norm):
@@ -246,9 +248,48 @@ _FP8_EXCLUDED = ("vlm.vision.patch_embed", "vlm.projector", "action_head.state_e
 _FP8_EXCLUDED_SUFFIXES = (".norm1.linear",)
 
 
-def fp8_filter(name: str, module: nn.Module) -> bool:
-    """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``)."""
-    return fp8_eligible(module, _FP8_EXCLUDED, name, _FP8_EXCLUDED_SUFFIXES)
+def fp8_filter(name: str, module: nn.Module, min_features: int | None = None) -> bool:
+    """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``); ``min_features`` lowers the width
+    floor (tests of tiny policies)."""
+    return fp8_eligible(module, _FP8_EXCLUDED, name, _FP8_EXCLUDED_SUFFIXES, min_features)
+
+
+def flops_per_sample(cfg: GrootConfig) -> SampleFlops:
+    """FLOPs of one training sample at the config's nominal size (every camera, the prompt at
+    ``max_language_tokens``, one ``chunk_size`` action chunk) by component: "vision" (ViT and projector, trained
+    with ``tune_visual``), "language" (the language model, ``tune_llm``), "action" (the action head, always
+    trained: VL self-attention, per-embodiment encoders and decoder, DiT). With the full preset's frozen VLM
+    nothing upstream of the head trains, so the VLM costs its forward only (``roboscale.models.flops``)."""
+    if not cfg.image_keys:
+        raise ConfigError("policy.image_keys is empty: FLOPs per sample need the cameras (set --policy.image_keys)")
+    cams, w, d, hidden, t = len(cfg.image_keys), cfg.llm_width, cfg.dit_width, cfg.hidden_size, cfg.chunk_size
+    image_tokens = (cfg.image_size // cfg.vit_patch_size // cfg.pixel_shuffle) ** 2
+    vit_linear, vit_attention = vit_flops(cfg)
+    projector = linear_flops(image_tokens, cfg.vit_dim * cfg.pixel_shuffle**2, w)
+    if cfg.projector_layers == 2:
+        projector += linear_flops(image_tokens, w, w)
+    vl = cams * image_tokens + cfg.max_language_tokens  # the VL tokens of one sample
+    q_width, kv_width = cfg.llm_heads * cfg.llm_head_dim, cfg.llm_kv_heads * cfg.llm_head_dim
+    llm_layer = (2 * linear_flops(vl, w, q_width) + 2 * linear_flops(vl, w, kv_width)
+                 + 3 * linear_flops(vl, w, cfg.llm_mlp_dim))
+    vl_block = 4 * linear_flops(vl, w, w) + 2 * linear_flops(vl, w, 4 * w)
+    n = 1 + cfg.num_future_tokens + t  # DiT tokens: state, future tokens, actions
+    cross, self_blocks = (cfg.dit_layers + 1) // 2, cfg.dit_layers // 2  # even blocks cross-attend
+    dit = (cfg.dit_layers * (linear_flops(1, d, 2 * d) + 2 * linear_flops(n, d, d) + 2 * linear_flops(n, d, 4 * d))
+           + cross * 2 * linear_flops(vl, w, d) + self_blocks * 2 * linear_flops(n, d, d))
+    # the timestep encoder and the output modulation run once per sample; the decoder reads the action tokens only
+    head = (cfg.vl_layers * vl_block + linear_flops(1, cfg.state_dim, hidden) + linear_flops(1, hidden, d)
+            + linear_flops(t, cfg.action_dim, d) + linear_flops(t, 2 * d, d) + linear_flops(t, d, d)
+            + linear_flops(1, 256, d) + linear_flops(1, d, d) + dit + linear_flops(1, d, 2 * d)
+            + linear_flops(n, d, hidden) + linear_flops(t, hidden, hidden) + linear_flops(t, hidden, cfg.action_dim))
+    head_attention = (cfg.vl_layers * attention_flops(vl, vl, 1, w) + cross * attention_flops(n, vl, 1, d)
+                      + self_blocks * attention_flops(n, n, 1, d))
+    return sample_flops([
+        ("vision", cams * (vit_linear + projector), cams * vit_attention, cfg.tune_visual),
+        ("language", cfg.llm_layers * llm_layer, cfg.llm_layers * attention_flops(vl, vl, cfg.llm_heads,
+                                                                                   cfg.llm_head_dim), cfg.tune_llm),
+        ("action", head, head_attention, True),
+    ], tokens=vl + n)
 
 
 def layout_of(policy: GrootPolicy, batch: dict[str, Any]) -> VLLayout:

@@ -15,6 +15,9 @@ class Pi05Config(PolicyConfig):
     """pi0.5-style policy. Defaults are the CPU-trainable demo size (3.3M parameters)."""
 
     type: ClassVar[str] = "pi05"
+    finetune_options: ClassVar[frozenset[str]] = PolicyConfig.finetune_options | {
+        "max_language_tokens", "time_beta_alpha", "num_inference_steps", "state_norm", "action_norm", "random_shift",
+        "action_loss_mask", "attention_backend", "packing", "pad_language_to", "pack_token_budget"}
 
     vit_patch_size: int = 8
     """ViT patch size in pixels."""

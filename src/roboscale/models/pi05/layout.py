@@ -45,6 +45,8 @@ class TokenizedSample:
     """bool [T]: True for steps past the episode end."""
     episode_index: int = -1
     frame_index: int = -1
+    sample_seed: int = -1
+    """The loader's per-sample seed for the objective's random draws (-1: none)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,8 @@ def collate(
         actions_is_pad=_stack_optional([s.actions_is_pad for s in samples]),
         episode_index=torch.tensor([s.episode_index for s in samples], dtype=torch.long),
         frame_index=torch.tensor([s.frame_index for s in samples], dtype=torch.long),
+        sample_seed=(torch.tensor([s.sample_seed for s in samples], dtype=torch.long)
+                     if all(s.sample_seed >= 0 for s in samples) else torch.zeros(0, dtype=torch.long)),
     )
 
 

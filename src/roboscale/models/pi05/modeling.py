@@ -47,6 +47,7 @@ from roboscale.models.attention import (
     suffix_attention,
     varlen_attention,
 )
+from roboscale.models.flops import SampleFlops, attention_flops, linear_flops, sample_flops, vit_flops
 from roboscale.models.flow_matching import FlowMatching
 from roboscale.models.layers import (
     AdaRMSNorm,
@@ -288,8 +289,9 @@ class Pi05Policy(Policy):
         self.time_mlp = nn.Sequential(nn.Linear(ew, ew), nn.SiLU(), nn.Linear(ew, ew), nn.SiLU())
         self.expert_norm = AdaRMSNorm(ew, ew)
         self.action_out_proj = nn.Linear(ew, cfg.action_dim)
-        self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm)
-        self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm)
+        # a dataset narrower than the state/action sizes (a checkpoint's padded maxima) is zero-padded to them
+        self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm, data_dim=cfg.dataset_state_dim)
+        self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm, data_dim=cfg.dataset_action_dim)
 
     @property
     def flow_matching(self) -> FlowMatching:
@@ -432,9 +434,40 @@ _FP8_EXCLUDED = ("vision.patch_embed", "projector", "state_proj", "action_in_pro
 _FP8_EXCLUDED_SUFFIXES = ("norm.modulation",)
 
 
-def fp8_filter(name: str, module: nn.Module) -> bool:
-    """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``)."""
-    return fp8_eligible(module, _FP8_EXCLUDED, name, _FP8_EXCLUDED_SUFFIXES)
+def fp8_filter(name: str, module: nn.Module, min_features: int | None = None) -> bool:
+    """True for the Linear layers FP8 training converts (see ``_FP8_EXCLUDED``); ``min_features`` lowers the width
+    floor (tests of tiny policies)."""
+    return fp8_eligible(module, _FP8_EXCLUDED, name, _FP8_EXCLUDED_SUFFIXES, min_features)
+
+
+def flops_per_sample(cfg: Pi05Config) -> SampleFlops:
+    """FLOPs of one training sample at the config's nominal size (every camera slot filled, the prompt at
+    ``max_language_tokens``, one ``chunk_size`` action chunk) by component: "vision" (ViT and projector),
+    "language" (the prefix tower), "action" (the action expert, its in/out projections and time MLP). Every
+    component trains (``roboscale.models.flops`` has the rule)."""
+    if not cfg.image_keys:
+        raise ConfigError("policy.image_keys is empty: FLOPs per sample need the cameras (set --policy.image_keys)")
+    cams, w, ew, s = len(cfg.image_keys), cfg.width, cfg.expert_width, cfg.chunk_size
+    h, kv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    image_tokens = (cfg.image_size // cfg.vit_patch_size // cfg.pixel_shuffle) ** 2
+    vit_linear, vit_attention = vit_flops(cfg)
+    projector = linear_flops(image_tokens, cfg.vit_dim * cfg.pixel_shuffle**2, w)
+    state_token = cfg.state_input == "token"
+    prefix = cams * image_tokens + int(state_token) + cfg.max_language_tokens
+    # every layer projects prefix keys/values (the action tokens read them); the last has no queries, output or MLP
+    kv_proj = 2 * linear_flops(prefix, w, kv * dh)
+    full_layer = kv_proj + 2 * linear_flops(prefix, w, h * dh) + 3 * linear_flops(prefix, w, cfg.mlp_dim)
+    language = (linear_flops(1, cfg.state_dim, w) if state_token else 0) + (cfg.depth - 1) * full_layer + kv_proj
+    # the action expert: two adaRMSNorm modulations per layer and the time MLP run once per sample, not per token
+    expert_layer = (2 * linear_flops(1, ew, 3 * ew) + 2 * linear_flops(s, ew, h * dh) + 2 * linear_flops(s, ew, kv * dh)
+                    + 3 * linear_flops(s, ew, cfg.expert_mlp_dim))
+    action = (linear_flops(s, cfg.action_dim, ew) + 2 * linear_flops(1, ew, ew) + cfg.depth * expert_layer
+              + linear_flops(1, ew, 3 * ew) + linear_flops(s, ew, cfg.action_dim))
+    return sample_flops([
+        ("vision", cams * (vit_linear + projector), cams * vit_attention, True),
+        ("language", language, (cfg.depth - 1) * attention_flops(prefix, prefix, h, dh), True),
+        ("action", action, cfg.depth * attention_flops(s, prefix + s, h, dh), True),
+    ], tokens=prefix + s)
 
 
 def random_shift(images: torch.Tensor, pad: int) -> torch.Tensor:

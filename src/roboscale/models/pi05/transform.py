@@ -33,6 +33,7 @@ class Pi05Transform:
         self.state_key, self.action_key = cfg.state_key, cfg.action_key
         self.max_language_tokens = cfg.max_language_tokens
         self.state_input = cfg.state_input
+        self.state_width = cfg.dataset_state_dim or cfg.state_dim  # the dataset's (the state may be zero-padded)
         self.state_normalizer = state_normalizer.snapshot()
         self.action_normalizer = action_normalizer.snapshot()
         self.tokenizer = tokenizer
@@ -41,7 +42,9 @@ class Pi05Transform:
         if self.tokenizer is None:
             raise RuntimeError("this policy has no tokenizer; pass pre-tokenized observation.language.tokens")
         if self.state_input == "prompt":  # the prompt carries the state: a new string every frame
-            ids = self.tokenizer.encode(state_prompt(task, normalized_state))[: self.max_language_tokens]
+            # the dataset's values only, not the zero padding (openpi tokenizes the state before padding it)
+            prompt = state_prompt(task, normalized_state[: self.state_width])
+            ids = self.tokenizer.encode(prompt)[: self.max_language_tokens]
             return torch.tensor(ids, dtype=torch.long)
         return self.tokenizer.task_ids(task, self.max_language_tokens)
 
@@ -89,6 +92,7 @@ class Pi05Transform:
             actions_is_pad=is_pad,
             episode_index=int(sample.get("episode_index", -1)),
             frame_index=int(sample.get("frame_index", -1)),
+            sample_seed=int(sample.get("sample_seed", -1)),
         )
 
     def from_batch(self, batch: dict[str, Any]) -> list[TokenizedSample]:
@@ -126,6 +130,7 @@ class Pi05Transform:
             tokens = [self._tokens(tasks[i], state[i]) for i in range(b)]
         episode = batch.get("episode_index")
         frame = batch.get("frame_index")
+        seed = batch.get("sample_seed")
         return [
             TokenizedSample(
                 images=images[i],
@@ -136,6 +141,7 @@ class Pi05Transform:
                 actions_is_pad=None if actions is None else is_pad[i],
                 episode_index=int(episode[i]) if isinstance(episode, torch.Tensor) else -1,
                 frame_index=int(frame[i]) if isinstance(frame, torch.Tensor) else -1,
+                sample_seed=int(seed[i]) if isinstance(seed, torch.Tensor) else -1,
             )
             for i in range(b)
         ]

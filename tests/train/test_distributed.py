@@ -80,7 +80,7 @@ def test_fsdp_divides_the_state_each_rank_holds(runs) -> None:
 def test_metrics_report_throughput_and_stragglers(runs) -> None:
     row = runs["fsdp"][1][-1]
     for key in ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "data_wait", "step_time",
-                "step_time_spread", "memory/state_bytes", "skipped_steps"):
+                "step_time_spread", "memory/state_bytes", "skipped_steps", "distinct_episodes"):
         assert key in row, key
     assert [r["step"] for r in runs["fsdp"][1]] == list(range(1, STEPS + 1))
 

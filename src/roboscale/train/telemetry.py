@@ -15,7 +15,8 @@ step's metrics and
   accelerator starves), measured around ``next(loader)`` in the training process;
 - ``step_time`` and ``step_time_spread`` ((slowest - fastest rank) / this rank's mean step time: stragglers);
 - ``memory/state_bytes`` (this rank's parameters + gradients + optimizer state: what sharding divides),
-  ``memory/peak``; ``skipped_steps`` (NaN/Inf updates skipped so far).
+  ``memory/peak``; ``skipped_steps`` (NaN/Inf updates skipped so far); ``distinct_episodes`` (mean distinct
+  episodes in this rank's share of a batch, since the start: how independent the batches are).
 
 A resumed run first drops the lines after its checkpoint's step, so the file reads as one run.
 """

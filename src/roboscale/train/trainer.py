@@ -424,7 +424,10 @@ class Trainer:
             slowest, fastest = all_reduce(times, "max").tolist()
             summary["step_time_spread"] = (slowest + fastest) / max(summary["step_time"], 1e-9)
         summary.update(memory_metrics(self.policy, self.optimizer, self.env.device))
-        self.telemetry.write(self.step, summary, self.loader.stats())
+        loader_stats = self.loader.stats()
+        # batch diversity: distinct episodes in this rank's share of a batch (correlated batches cost success)
+        summary["distinct_episodes"] = loader_stats.get("distinct_episodes", 0.0)
+        self.telemetry.write(self.step, summary, loader_stats)
         shown = dict(loss=f"{summary['loss']:.4f}", smp_s=f"{summary['samples_per_s']:.0f}")
         if "mfu" in summary:
             shown["mfu"] = f"{100 * summary['mfu']:.1f}%"

@@ -342,3 +342,31 @@ def test_fine_tuning_starts_from_the_pretrained_weights(tiny_dataset, tmp_path):
              for name in ("scratch", "tuned")}
     assert first["tuned"] < 0.7 * first["scratch"]
     assert Policy.from_pretrained(final).config.pretrained_path == str(pretrained)
+
+
+def test_ema_weights_are_what_checkpoints_export_and_resume_continues_them(tiny_dataset, tmp_path):
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    def config(out, **kw):
+        cfg = tiny_train_config(tiny_dataset, out, steps=6, **kw)
+        cfg.ema_decay = 0.5
+        return cfg
+
+    final = train(config(tmp_path / "a"), progress=False)
+    exported = load_file(str(final / "model.safetensors"))
+    # the live weights (only in the sharded state) and the averaged ones (pretrained_model) differ after 6 steps
+    parameters = dict(Policy.from_pretrained(final).named_parameters())
+    state = {"model": {name: torch.zeros_like(p) for name, p in parameters.items()}}
+    dcp.load(state, checkpoint_id=str(final.parent / "training_state" / "model_optimizer"), no_dist=True)
+    assert sum(not torch.equal(state["model"][name], exported[name]) for name in parameters) > len(parameters) // 2
+    # a resume restores the average too: the same end as the uninterrupted run
+    train(config(tmp_path / "b", save_freq=3), progress=False)
+    ckpts = tmp_path / "b" / "checkpoints"
+    shutil.rmtree(ckpts / "000006")
+    (ckpts / "last").unlink()
+    (ckpts / "last").symlink_to("000003")
+    resumed = train(config(tmp_path / "b", save_freq=3, resume=True), progress=False)
+    for name, value in load_file(str(resumed / "model.safetensors")).items():
+        assert torch.equal(value, exported[name]), name

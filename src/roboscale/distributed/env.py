@@ -46,6 +46,15 @@ class DistributedEnv:
         if self.distributed:
             dist.barrier()
 
+    def another_rank_failed(self, failed: bool) -> bool:
+        """Whether a rank other than this one failed (a collective: every rank calls it). Ranks that only wait
+        for the others would otherwise wait until the collective timeout for one that gave up."""
+        if not self.distributed:
+            return False
+        flag = torch.tensor([1.0 if failed else 0.0])
+        dist.all_reduce(flag)
+        return not failed and flag.item() > 0
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)

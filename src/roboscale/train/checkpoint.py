@@ -130,13 +130,8 @@ def _write_shards(tmp: Path, sharded_state: dict[str, Any], training_state: dict
         code = re.search(r"\[Errno (\d+)\]", reason)
         failed = OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else \
             _write_probe(state_dir) or OSError(reason)
-    if env.distributed:
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if failed else 0.0])
-        dist.all_reduce(flag)
-        if failed is None and flag.item() > 0:
-            raise _PeerFailed("another rank could not write its shards")
+    if env.another_rank_failed(failed is not None):
+        raise _PeerFailed("another rank could not write its shards")
     if failed is not None:
         raise failed
 

@@ -124,13 +124,8 @@ class Trainer:
                 action()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = exc
-        if self.env.distributed:
-            import torch.distributed as dist
-
-            flag = torch.tensor([1.0 if error else 0.0])
-            dist.all_reduce(flag)
-            if error is None and flag.item() > 0:
-                raise TrainingError("rank 0 failed to prepare the run; its error is above")
+        if self.env.another_rank_failed(error is not None):
+            raise TrainingError("rank 0 failed to prepare the run; its error is above")
         if error is not None:
             raise error
         yield
@@ -558,12 +553,10 @@ def _flops_component(policy: Any, parameter_name: str) -> str:
     return "action"
 
 
-def peak_flops(device: torch.device, precision: str, fp8: bool) -> tuple[float, str] | None:
+def peak_flops(device: torch.device, precision: str, fp8: bool) -> tuple[float, str]:
     """The device's peak rate for this precision and where the figure comes from (datasheet or measured)."""
-    try:
-        from roboscale.train.flops import peak_flops as peak
-    except ImportError:
-        return None
+    from roboscale.train.flops import peak_flops as peak
+
     return peak(device, "fp8" if fp8 else precision)
 
 

@@ -17,6 +17,13 @@ from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig, resolve_tasks
 PAIRS = [
     ("faucet-open", "faucet-close"),
     ("door-lock", "door-unlock"),
+    ("window-open", "window-close"),
+    ("handle-press", "handle-pull"),
+    ("handle-press-side", "handle-pull-side"),
+    ("push", "push-back"),
+    ("door-open", "door-close"),
+    ("plate-slide", "plate-slide-back"),
+    ("coffee-push", "coffee-pull"),
     ("drawer-open", "drawer-close"),
     ("button-press-topdown", "drawer-open"),
     ("faucet-open", "button-press-topdown"),

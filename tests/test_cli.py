@@ -28,8 +28,8 @@ def test_generate_train_eval_end_to_end(tmp_path):
     out = roboscale("train", f"--dataset.root={data}", f"--output_dir={run}", "--steps=6", "--batch_size=8",
                     "--save_freq=3", *TINY_POLICY).stdout
     assert "final checkpoint" in out
-    roboscale("eval", f"--checkpoint={run}", "--tasks=[reach]", "--episodes=1", "--max_steps=8", "--workers=1",
-              f"--output_dir={report}")
+    roboscale("eval", f"--checkpoint={run}", "--tasks=[reach]", "--episodes=1", "--max_steps=8",
+              "--rollout.workers=1", f"--output_dir={report}")
     result = json.loads((report / "report.json").read_text())
     assert result["per_task"]["reach-v3"]["episodes"] == 1
     assert result["episodes"][0]["steps"] <= 8
@@ -66,6 +66,6 @@ def test_groot_trains_and_evaluates_from_the_cli(tmp_path):
     assert "final checkpoint" in out
     config = json.loads((run / "checkpoints" / "last" / "pretrained_model" / "config.json").read_text())
     assert config["type"] == "groot" and config["dit_layers"] == GROOT_PRESETS["tiny"]["dit_layers"]
-    roboscale("eval", f"--checkpoint={run}", "--tasks=[reach]", "--episodes=1", "--max_steps=6", "--workers=1",
-              f"--output_dir={report}")
+    roboscale("eval", f"--checkpoint={run}", "--tasks=[reach]", "--episodes=1", "--max_steps=6",
+              "--rollout.workers=1", f"--output_dir={report}")
     assert json.loads((report / "report.json").read_text())["per_task"]["reach-v3"]["episodes"] == 1

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from roboscale.errors import ConfigError, RoboscaleError, one_line
@@ -129,6 +130,9 @@ def _train(argv: list[str]) -> None:
 
 
 def _eval(argv: list[str]) -> None:
+    if argv and argv[0] == "compare":  # `roboscale eval compare RUN...`; anything else evaluates a checkpoint
+        _compare(argv[1:])
+        return
     from roboscale.config import parse
     from roboscale.configs.eval import EvalConfig
     from roboscale.eval.closed_loop import evaluate
@@ -138,6 +142,30 @@ def _eval(argv: list[str]) -> None:
     summary = evaluate(cfg)
     print(success_table({"success": summary}, list(summary["per_task"])))
     print(f"report: {summary['report_dir']}/report.md")
+
+
+def _compare(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.configs.report import CompareConfig
+    from roboscale.eval.compare import write_comparison
+
+    cfg = parse(CompareConfig, argv, prog="roboscale eval compare", positional=("runs",))
+    if len(cfg.runs) < 2:
+        raise ConfigError("usage: roboscale eval compare RUN_A RUN_B [...] [--output_dir DIR]")
+    markdown, md_path, html_path = write_comparison(cfg.runs, cfg.output_dir)
+    print(markdown)
+    print(f"\nwritten: {md_path}, {html_path}", file=sys.stderr)  # stdout stays pure Markdown
+
+
+def _report(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.configs.report import ReportConfig
+    from roboscale.eval.run_report import write_run_report
+
+    cfg = parse(ReportConfig, argv, prog="roboscale report", positional=("run_dir",))
+    if not cfg.run_dir:
+        raise ConfigError("usage: roboscale report RUN_DIR [--output FILE]")
+    print(f"report written to {write_run_report(Path(cfg.run_dir), Path(cfg.output) if cfg.output else None)}")
 
 
 def _model_info(argv: list[str]) -> None:
@@ -194,7 +222,9 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     },
     "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
     "export": Command("write a checkpoint's consolidated policy (pretrained_model) to a directory", _export),
-    "eval": Command("evaluate a checkpoint in closed loop in MetaWorld", _eval),
+    "eval": Command("evaluate a checkpoint in closed loop in MetaWorld (eval compare RUN_A RUN_B: compare runs)",
+                    _eval),
+    "report": Command("write an HTML page for a training run: curves, success vs step, best checkpoint", _report),
     "plan": Command("predict step time, communication, data rate and scaling of a policy over GPU counts", _plan),
     "demo": Command("generate demos, train, evaluate: the whole loop on the embedded default", _demo),
 }

@@ -54,9 +54,11 @@ def run_demo(cfg: DemoConfig) -> dict:
     untrained_dir = out / "untrained" / "pretrained_model"
     untrained = build_policy(cfg.train.policy, LeRobotDataset(root=str(data_dir)).meta)
     untrained.save_pretrained(untrained_dir)
-    log.info("2/5 evaluating the untrained policy")
-    before = evaluate(_eval_cfg(cfg.eval, untrained_dir, out / "eval_untrained", videos=0), label="untrained")
-    timings["eval_untrained_s"] = time.perf_counter() - start
+    before = None
+    if cfg.evaluate_untrained:
+        log.info("2/5 evaluating the untrained policy")
+        before = evaluate(_eval_cfg(cfg.eval, untrained_dir, out / "eval_untrained", videos=0), label="untrained")
+        timings["eval_untrained_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     log.info("3/5 training for %d steps", cfg.train.steps)
@@ -76,7 +78,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         language = _language_check(cfg.eval, checkpoint, out / "eval_swapped_instructions", tasks, after)
         timings["language_check_s"] = time.perf_counter() - start
 
-    table = success_table({"untrained": before, "trained": after}, tasks)
+    table = success_table({"untrained": before, "trained": after} if before else {"trained": after}, tasks)
     save_yaml(cfg, out / "demo_config.yaml")
     summary = {"table": table, "timings": timings, "checkpoint": str(checkpoint), "report": after["report_dir"],
                "language_check": language}

@@ -118,13 +118,14 @@ def test_a_checkpoint_that_no_longer_fits_its_data_names_the_feature_and_the_fil
 def test_python_callers_get_the_same_exception_types(tmp_path: Path) -> None:
     from roboscale.data import LeRobotDataset
     from roboscale.configs.eval import EvalConfig
+    from roboscale.configs.rollout import RolloutConfig
     from roboscale.models.policy import Policy
     from roboscale.configs.train import TrainConfig
 
     with pytest.raises(ConfigError, match="--steps must be a positive integer"):
         TrainConfig(steps=0)
-    with pytest.raises(ConfigError, match="--workers must be a positive integer"):
-        EvalConfig(workers=0)
+    with pytest.raises(ConfigError, match="--rollout.workers must be a positive integer"):
+        EvalConfig(rollout=RolloutConfig(workers=0))
     with pytest.raises(DatasetError, match="info.json"):
         LeRobotDataset(root=tmp_path)
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):

@@ -94,7 +94,7 @@ def trained_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def evaluate(run: Path, work: Path) -> Outcome:
     return run_cli("eval", f"--checkpoint={run}", "--tasks=[reach]", "--episodes=1", "--max_steps=2",
-                   "--workers=1", "--videos_per_task=0", f"--output_dir={work / 'eval'}")
+                   "--rollout.workers=1", "--videos_per_task=0", f"--output_dir={work / 'eval'}")
 
 
 def resume(run: Path, work: Path) -> Outcome:

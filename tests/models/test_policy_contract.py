@@ -5,7 +5,6 @@ import pickle
 import pytest
 import torch
 
-from roboscale.eval.rollout import ActionQueue
 from roboscale.models.flow_matching import flow_matching_loss
 from roboscale.models.registry import SPECS
 from tests.models.helpers import batch, tiny_policy
@@ -19,22 +18,22 @@ def test_every_registered_policy_is_covered():
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_an_action_queue_predicts_once_per_chunk_and_reset_drops_what_it_holds(name, monkeypatch):
+def test_given_noise_a_prediction_does_not_depend_on_the_batch_it_is_in(name):
+    """What lets the rollout engine batch observations of many episodes: each sample's actions come from its own
+    noise and observation only (fp32), and the same noise gives the same actions."""
     policy = POLICIES[name]().eval()
-    assert policy.config.n_action_steps == 3  # both tiny configs: steps 0, 3, 6 predict
-    calls = []
-    obs = batch(b=1)
-
-    def predict():
-        calls.append(1)
-        return policy.predict_action_chunk(obs)[0]
-
-    queue = ActionQueue(policy.config.n_action_steps)
-    actions = [queue.pop(predict) for _ in range(7)]
-    assert len(calls) == 3 and all(a.shape == (4,) for a in actions)
-    queue.reset()
-    queue.pop(predict)
-    assert len(calls) == 4
+    obs = batch(b=3)
+    obs = {k: v for k, v in obs.items() if not k.startswith("action")}
+    cfg = policy.config
+    noise = torch.randn(3, cfg.chunk_size, cfg.action_dim)
+    together = policy.predict_action_chunk(obs, noise=noise)
+    alone = torch.cat([policy.predict_action_chunk({k: v[i:i + 1] for k, v in obs.items()}, noise=noise[i:i + 1])
+                       for i in range(3)])
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+    assert torch.equal(together, policy.predict_action_chunk(obs, noise=noise))
+    assert not torch.allclose(together, policy.predict_action_chunk(obs, noise=noise + 1))
+    with pytest.raises(ValueError, match="noise has shape"):
+        policy.predict_action_chunk(obs, noise=noise[:2])
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -23,5 +23,7 @@ class DemoConfig:
     """Evaluation (its tasks are the demo's tasks)."""
     reuse_data: bool = True
     """Reuse <output_dir>/data if a complete dataset is already there."""
+    evaluate_untrained: bool = True
+    """Also evaluate the untrained policy (the table's first column; skip it for large task sets)."""
     language_check: bool = True
     """Also evaluate the instruction-only pairs with swapped instructions (success should collapse)."""

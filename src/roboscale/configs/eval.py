@@ -4,37 +4,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from roboscale.configs.rollout import RolloutConfig
 from roboscale.errors import ConfigError
 
 
 @dataclass
 class EvalConfig:
-    """`roboscale eval`: closed-loop evaluation of a checkpoint in MetaWorld."""
+    """`roboscale eval`: closed-loop evaluation of a checkpoint in simulation (MetaWorld by default)."""
 
     checkpoint: str = ""
     """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last)."""
+    env: str = "metaworld"
+    """The simulator adapter (registered name, or package.module:SPEC for one of your own)."""
     tasks: list[str] = field(default_factory=lambda: ["demo"])
-    """Tasks or suites (demo, mt10, mt50) to evaluate."""
+    """Tasks or suites: demo, mt10, mt50, pairs (tasks told apart by the instruction alone)."""
     episodes: int = 10
     """Episodes per task."""
     seed: int = 1000
     """Evaluation seed; episode i of task t is placed by (seed, t, i). Demos use seed 0, so 1000 is unseen."""
     max_steps: int = 250
     """Steps before an episode counts as a failure (experts need 35-180 on these tasks)."""
-    workers: int = 2
-    """Parallel worker processes."""
     videos_per_task: int = 2
-    """Rollout videos to save per task (the first episodes)."""
+    """Rollout videos to keep per task, failures and successes both where there are both."""
     video_camera: str = "corner2"
     """Camera shown in the videos."""
     instructions: dict[str, str] = field(default_factory=dict)
     """Task -> instruction to give the policy instead of the task's own (paraphrases, or a swapped instruction
     as a language-following control), e.g. {faucet-open: "Rotate the faucet clockwise"}."""
     output_dir: str = ""
-    """Report directory (default: <checkpoint>/../eval, or outputs/eval)."""
+    """Report directory (default: <checkpoint>/../eval)."""
+    resume: bool = True
+    """Skip the episodes an interrupted run with the same protocol already wrote to <output_dir>/episodes.jsonl;
+    false: start over (the old episodes are discarded)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Env workers, inference servers, dynamic batching, retries."""
 
     def __post_init__(self) -> None:
-        for name in ("episodes", "max_steps", "workers"):
+        for name in ("episodes", "max_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if self.videos_per_task < 0:

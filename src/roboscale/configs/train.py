@@ -59,11 +59,46 @@ class CheckpointConfig:
     """Checkpoint saving and retention."""
 
     keep_last: int = 3
-    """Keep this many most recent checkpoints (0: all); `last` (and the best evaluated one) are always kept."""
+    """Keep this many most recent checkpoints (0: all); `last`, `best` and checkpoints waiting for or under
+    evaluation (--eval.every) are always kept."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 0:
             raise ConfigError(f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
+
+
+@dataclass
+class EvalDuringTrainingConfig:
+    """Closed-loop evaluation of checkpoints while training goes on (a separate `roboscale eval` process)."""
+
+    every: int = 0
+    """Evaluate the checkpoint of every this many steps, and the final one (0: off). A checkpoint is saved at
+    these steps whatever --save_freq says. Training does not wait: one evaluation runs at a time, and a newer
+    checkpoint replaces one still waiting for its turn."""
+    tasks: list[str] = field(default_factory=lambda: ["demo"])
+    """Tasks or suites to evaluate on (as `roboscale eval --tasks`)."""
+    episodes: int = 10
+    """Episodes per task."""
+    seed: int = 1000
+    """Evaluation seed (as `roboscale eval --seed`; the same for every checkpoint, so they meet the same scenes)."""
+    max_steps: int = 250
+    """Steps before an episode counts as a failure."""
+    workers: int = 1
+    """Env worker processes of each evaluation (`roboscale eval --rollout.workers`; they share the machine with
+    training)."""
+    videos_per_task: int = 2
+    """Rollout videos to save per task and checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"--eval.every must be >= 0, got {self.every}")
+        for name in ("episodes", "max_steps", "workers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--eval.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.videos_per_task < 0:
+            raise ConfigError(f"--eval.videos_per_task must be >= 0, got {self.videos_per_task}")
+        if self.every and not self.tasks:
+            raise ConfigError("--eval.tasks is empty; name the tasks or suites to evaluate on")
 
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp", "hsdp")
@@ -134,11 +169,13 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint retention."""
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
+    """Evaluation during training: results in evals.jsonl, metrics.jsonl and TensorBoard; checkpoints/best."""
     log_freq: int = 50
     """Log metrics every this many steps."""
     resume: bool = False
     """Continue from <output_dir>/checkpoints/last exactly where it stopped. Options not given are the
-    checkpoint's; steps, save_freq, log_freq, checkpoint.*, num_threads and the loader's worker settings may
+    checkpoint's; steps, save_freq, log_freq, checkpoint.*, eval.*, num_threads and the loader's worker settings may
     change, anything else that differs is refused."""
     num_threads: int = 0
     """torch CPU threads per rank (0: the cores of this machine divided among its ranks)."""

@@ -1,16 +1,30 @@
-"""`roboscale eval`: score a checkpoint in MetaWorld and write a report."""
+"""`roboscale eval`: score a checkpoint in closed loop and write a report that records the whole protocol.
+
+Episode ``i`` of task ``t`` starts from ``reset(episode_seed(seed, t, i))`` and draws its flow-matching noise
+from (that seed, chunk index), so its outcome does not depend on the number of workers, environments per worker,
+or the batch its observations were predicted in. Finished episodes go to ``episodes.jsonl`` as they finish; a
+rerun with the same protocol skips them.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from roboscale.configs.eval import EvalConfig
 from roboscale.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
+
+PROTOCOL_FILE = "protocol.json"
+PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i)), a hash of (seed, t, i): the "
+             "same placement whichever worker runs it")
+NOISE = ("flow-matching noise of the k-th chunk an episode predicts: N(0, 1) from PCG64([episode seed, k]): "
+         "independent of batching")
+SUCCESS_RULE = "success at any step ends the episode; no success within max_steps is a failure"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -28,56 +42,151 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
+    from roboscale.eval.episode_log import EpisodeLog
     from roboscale.eval.report import write_report
-    from roboscale.eval.rollout import RolloutJob, run_rollouts
-    from roboscale.models.policy import Policy, read_policy_config
-    from roboscale.sim.experts import episode_seed
-    from roboscale.sim.metaworld import CAMERA_ALIASES, resolve_tasks
+    from roboscale.models.policy import Policy
+    from roboscale.rollout.engine import EnvSetup, RolloutEngine
+    from roboscale.sim.env import env_spec
 
-    tasks = resolve_tasks(cfg.tasks)
+    spec = env_spec(cfg.env)
+    tasks = spec.resolve_tasks(cfg.tasks)
+    instructions = {spec.resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
     if not cfg.checkpoint:
         raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or pretrained_model)")
     checkpoint = resolve_checkpoint(cfg.checkpoint)
-    Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
-    policy_cfg = read_policy_config(checkpoint)
-    instructions = {resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
+    policy = Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
+    policy_cfg = policy.config
+    names = [k.removeprefix("observation.images.") for k in policy_cfg.image_keys]
+    cameras = spec.sim_cameras(dict.fromkeys([*names, cfg.video_camera]))
+    image_size = int(getattr(policy_cfg, "image_size", 64))
+    env_options = {"image_size": image_size, "cameras": cameras, "max_steps": cfg.max_steps}
+    _check_cameras(spec, tasks[0], env_options, checkpoint)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
-    names = [k.removeprefix("observation.images.") for k in policy_cfg.get("image_keys", [])]
-    cameras = {n: CAMERA_ALIASES.get(n, n) for n in names}
-    if cfg.video_camera not in cameras:
-        cameras[cfg.video_camera] = CAMERA_ALIASES.get(cfg.video_camera, cfg.video_camera)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from roboscale.sim.experts import episode_seed
+    from roboscale.utils.io import sha256_file
+
+    protocol = {
+        "env": spec.name, "tasks": tasks, "episodes_per_task": cfg.episodes, "seed": cfg.seed,
+        "placement": PLACEMENT, "max_steps": cfg.max_steps, "success_rule": SUCCESS_RULE, "cameras": cameras,
+        "image_size": image_size, "video_camera": cfg.video_camera, "n_action_steps": policy_cfg.n_action_steps,
+        "chunk_size": policy_cfg.chunk_size, "num_inference_steps": policy_cfg.num_inference_steps, "noise": NOISE,
+        "instructions": {task: instructions.get(task) or spec.instruction(task) for task in tasks},
+        "videos_per_task": cfg.videos_per_task,
+    }
+    meta: dict[str, Any] = {
+        "label": label, "checkpoint": str(checkpoint), "policy_type": policy.name,
+        "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"), "protocol": protocol,
+    }
+    del policy
+    episode_log = EpisodeLog(out_dir)
+    done = _previous_episodes(out_dir, episode_log, {**protocol, "checkpoint_sha256": meta["checkpoint_sha256"]},
+                              cfg.resume)
+    candidates = 3 * cfg.videos_per_task  # videos are kept for failures and successes both: record a few more
+    from roboscale.rollout.episode import EpisodeJob
+
     jobs = [
-        RolloutJob(
-            checkpoint=str(checkpoint),
-            task=task,
-            episode=i,
-            seed=episode_seed(cfg.seed, task, i),
-            max_steps=cfg.max_steps,
-            record_video=i < cfg.videos_per_task,
-            video_dir=str(out_dir / "videos"),
-            image_size=int(policy_cfg.get("image_size", 64)),
-            cameras=cameras,
-            video_camera=cfg.video_camera,
-            instruction=instructions.get(task, ""),
-        )
+        EpisodeJob(task, i, episode_seed(cfg.seed, task, i), instructions.get(task, ""), record_video=i < candidates)
         for task in tasks
         for i in range(cfg.episodes)
+        if (task, i) not in done
     ]
-    start = time.perf_counter()
-    results = run_rollouts(jobs, cfg.workers, progress)
-    elapsed = time.perf_counter() - start
-    meta = {
-        "checkpoint": str(checkpoint),
-        "label": label,
-        "policy_type": policy_cfg.get("type"),
-        "tasks": tasks,
-        "seed": cfg.seed,
-        "max_steps": cfg.max_steps,
-        "episodes_per_task": cfg.episodes,
-        "instructions": instructions,
-        "eval_seconds": elapsed,
+    if done:
+        log.info("resuming: %d of %d episodes were already done (%s)", len(done), len(tasks) * cfg.episodes,
+                 episode_log.path)
+    setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, env_options, cfg.video_camera,
+                     str(out_dir / "videos"))
+    results, stats = _run(RolloutEngine(cfg.rollout, setup), jobs, episode_log, progress)
+    results = sorted([*done.values(), *results], key=lambda r: (tasks.index(r.task), r.episode))
+    _select_videos(results, out_dir, cfg.videos_per_task)
+    meta["timing"] = {
+        "wall_s": stats.wall_s, "env_steps": stats.env_steps,
+        "env_steps_per_s": stats.env_steps / stats.wall_s if stats.wall_s else 0.0,
+        "sim_s": stats.sim_s, "render_s": stats.render_s, "inference_s": stats.inference_s,
+        "inference_calls": stats.inference_calls, "mean_batch_size": stats.mean_batch_size,
+        "workers": cfg.rollout.workers, "envs_per_worker": cfg.rollout.envs_per_worker,
+        "inference": cfg.rollout.inference, "servers": cfg.rollout.servers if cfg.rollout.inference == "server" else 0,
+        "max_batch_size": cfg.rollout.max_batch_size, "batch_timeout_ms": cfg.rollout.batch_timeout_ms,
+        "episodes_run": len(jobs), "episodes_resumed": len(done), "restarts": stats.restarts,
     }
+    meta["retries"] = [asdict(retry) for retry in stats.retries]
     summary = write_report(out_dir, results, tasks, meta)
     summary["report_dir"] = str(out_dir)
-    summary["eval_seconds"] = elapsed
+    summary["eval_seconds"] = stats.wall_s
+    summary["timing"] = meta["timing"]
     return summary
+
+
+def _check_cameras(spec: Any, task: str, env_options: dict, checkpoint: Path) -> None:
+    """One environment built and reset here: a camera the simulator lacks fails now, naming the checkpoint."""
+    try:
+        env = spec.make(task, **env_options)
+        try:
+            env.reset(0)
+        finally:
+            env.close()
+    except Exception as exc:
+        raise ConfigError(f"{checkpoint}: the policy's cameras {sorted(env_options['cameras'])} cannot be "
+                          f"rendered by the {spec.name} environment ({type(exc).__name__}: {exc})") from None
+
+
+def _previous_episodes(out_dir: Path, episode_log: Any, protocol: dict, resume: bool) -> dict:
+    """The episodes an interrupted run with the same protocol finished (none when ``resume`` is off)."""
+    import json
+
+    from roboscale.utils.io import atomic_write_json
+
+    path = out_dir / PROTOCOL_FILE
+    done = {}
+    if resume and path.is_file():
+        previous = json.loads(path.read_text())
+        changed = sorted(k for k in protocol.keys() | previous.keys()
+                         if k != "videos_per_task" and previous.get(k) != protocol.get(k))
+        if changed:
+            raise ConfigError(f"{out_dir} holds an evaluation with another protocol (differs in: "
+                              f"{', '.join(changed)}); use another --output_dir, or --resume=false to start over")
+        wanted = {(t, i) for t in protocol["tasks"] for i in range(protocol["episodes_per_task"])}
+        done = {(r.task, r.episode): r for r in episode_log.read() if (r.task, r.episode) in wanted}
+    else:
+        episode_log.clear()
+    atomic_write_json(path, protocol, indent=2)
+    return done
+
+
+def _run(engine: Any, jobs: list, episode_log: Any, progress: bool) -> tuple[list, Any]:
+    from tqdm import tqdm
+
+    import numpy as np
+
+    finished: list = []
+    with tqdm(total=len(jobs), desc="evaluating", unit="ep", disable=not progress) as bar:
+        def on_result(result: Any) -> None:
+            episode_log.append(result)
+            finished.append(result.success)
+            bar.update(1)
+            bar.set_postfix(success=f"{np.mean(finished):.0%}")
+
+        return engine.run(jobs, on_result)
+
+
+def _select_videos(results: list, out_dir: Path, per_task: int) -> None:
+    """Keep ``per_task`` videos per task, half of them failures where there are failures (the first episodes
+    of each kind); delete the other recorded ones. Video paths become relative to the report directory."""
+    videos = out_dir / "videos"
+    by_task: dict[str, list] = {}
+    for result in results:
+        if result.video:
+            by_task.setdefault(result.task, []).append(result)
+    for recorded in by_task.values():
+        failures = [r for r in recorded if not r.success]
+        successes = [r for r in recorded if r.success]
+        n_fail = min(len(failures), max(per_task // 2, per_task - len(successes)))
+        keep = {id(r) for r in failures[:n_fail] + successes[: per_task - n_fail]}
+        for result in recorded:
+            name = Path(result.video).name
+            if id(result) in keep and (videos / name).is_file():
+                result.video = f"videos/{name}"
+            else:
+                (videos / name).unlink(missing_ok=True)
+                result.video = None

@@ -134,12 +134,20 @@ class Policy(nn.Module):
         return ""
 
     @torch.no_grad()
-    def predict_action_chunk(self, observation: Any) -> torch.Tensor:
+    def predict_action_chunk(self, observation: Any, noise: torch.Tensor | None = None) -> torch.Tensor:
         """Actions [B, chunk_size, dataset_action_dim or action_dim] in the dataset's units (the dataset's width: a
-        fine-tuned policy's padded dimensions are cropped), from noise by the policy's Euler steps."""
+        fine-tuned policy's padded dimensions are cropped), from noise by the policy's Euler steps. ``noise``
+        [B, chunk_size, action_dim]: the starting point of each sample's flow (the rollout engine draws it per
+        episode so that an episode's actions do not depend on the batch it was predicted in); default N(0, 1)
+        from torch's generator."""
         encoded = self.encode(observation, cache=True)
         device = next(self.parameters()).device
-        noise = torch.randn(encoded.batch_size, self.config.chunk_size, self.config.action_dim, device=device)
+        shape = (encoded.batch_size, self.config.chunk_size, self.config.action_dim)
+        if noise is None:
+            noise = torch.randn(shape, device=device)
+        elif tuple(noise.shape) != shape:
+            raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {shape}")
+        noise = noise.to(device)
         actions = self.flow_matching.sample(lambda x, t: self.velocity(encoded, x, t), noise,
                                             self.config.num_inference_steps)
         return self.action_normalizer.unnormalize(actions)

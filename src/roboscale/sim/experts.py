@@ -113,7 +113,7 @@ def run_expert_episode(
             break
         obs = next_obs
     frames = {k: np.stack(v) for k, v in columns.items()}
-    return Episode(env.task, env.description, seed, success_at is not None, frames)
+    return Episode(env.task, env.instruction, seed, success_at is not None, frames)
 
 
 def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:

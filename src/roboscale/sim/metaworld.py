@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
+import time  # noqa: E402
+
 import numpy as np  # noqa: E402
 
 from roboscale.errors import ConfigError  # noqa: E402
+from roboscale.sim.env import EnvSpec, Step  # noqa: E402
 
 TASK_DESCRIPTIONS: dict[str, str] = {
     "assembly-v3": "Pick up a nut and place it onto a peg",
@@ -76,21 +79,23 @@ MT10 = (
     "reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3",
     "drawer-close-v3", "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3",
 )  # fmt: skip
-SUITES: dict[str, tuple[str, ...]] = {
-    "mt10": MT10,
-    "mt50": tuple(sorted(TASK_DESCRIPTIONS)),
-    # The demo suite: two pairs whose start scenes are nearly identical (only the instruction tells them apart)
-    # plus two tasks with a visible cue. See docs/benchmarks.md for the start-frame differences we measured.
-    "demo": ("faucet-open-v3", "faucet-close-v3", "button-press-topdown-v3", "drawer-open-v3"),
-}
-# Pairs whose start scenes are nearly identical (mean abs pixel difference < 1 at 64², benchmarks/start_frames.py):
+# Pairs whose start scenes are nearly identical (mean abs pixel difference < 1 of 255 at 64²,
+# benchmarks/start_frames.py; window-open/close differs by 4.4 and drawer-open/close by 1.5: the scene shows which):
 # only the instruction tells the policy which one to do.
 INSTRUCTION_PAIRS = (
     ("faucet-open-v3", "faucet-close-v3"),
     ("door-lock-v3", "door-unlock-v3"),
     ("handle-press-v3", "handle-pull-v3"),
+    ("handle-press-side-v3", "handle-pull-side-v3"),
     ("push-v3", "push-back-v3"),
 )
+SUITES: dict[str, tuple[str, ...]] = {
+    "mt10": MT10,
+    "mt50": tuple(sorted(TASK_DESCRIPTIONS)),
+    # The demo suite: the faucet pair (only the instruction tells them apart) plus two tasks with a visible cue.
+    "demo": ("faucet-open-v3", "faucet-close-v3", "button-press-topdown-v3", "drawer-open-v3"),
+    "pairs": tuple(task for pair in INSTRUCTION_PAIRS for task in pair),
+}
 # Camera positions/fixes. corner2 is moved where LeRobot puts it so the whole table is in view.
 CAMERA_POSITIONS = {"corner2": (0.75, 0.075, 0.7)}
 FLIPPED_CAMERAS = {"corner", "corner2"}  # these come out upside-down from MuJoCo
@@ -102,7 +107,7 @@ FPS = 80  # MetaWorld control rate: frame_skip 5 x timestep 0.0025 s
 
 
 def resolve_tasks(names: list[str] | tuple[str, ...] | str) -> list[str]:
-    """Expand suite names (``mt10``, ``mt50``, ``demo``) and accept task names with or without ``-v3``."""
+    """Expand suite names (``mt10``, ``mt50``, ``demo``, ``pairs``) and accept task names with or without ``-v3``."""
     if isinstance(names, str):
         names = [n for n in names.replace(",", " ").split() if n]
     tasks: list[str] = []
@@ -146,8 +151,10 @@ class MetaWorldEnv:
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
         self.task = resolve_tasks([task])[0]
-        self.description = task_description(self.task)
+        self.instruction = task_description(self.task)
         self.render_config = render or RenderConfig()
+        self.camera_names = list(self.render_config.cameras)
+        self.timings = {"sim_s": 0.0, "render_s": 0.0}
         self.max_episode_steps = max_episode_steps
         env = ALL_V3_ENVIRONMENTS[self.task](render_mode=None)
         env._partially_observable = False  # goal in the 39-d obs: the experts need it
@@ -166,17 +173,18 @@ class MetaWorldEnv:
         self._mujoco = mujoco
         self._steps = 0
 
-    def _observation(self, full_state: np.ndarray) -> dict:
+    def _observation(self, full_state: np.ndarray, render: bool = True) -> dict:
         return {
             "full_state": full_state.astype(np.float64),
             "state": full_state[:STATE_DIM].astype(np.float32),
-            "images": self.render(),
+            "images": self.render() if render else {},
         }
 
     def render(self) -> dict[str, np.ndarray]:
         images = {}
         if self._renderer is None:
             return images
+        start = time.perf_counter()
         flags = self._mujoco.mjtRndFlag
         for name, camera in self.render_config.cameras.items():
             self._renderer.update_scene(self._env.data, camera=camera)
@@ -186,21 +194,29 @@ class MetaWorldEnv:
             if camera in FLIPPED_CAMERAS:
                 image = np.flip(image, (0, 1))
             images[name] = np.ascontiguousarray(image)
+        self.timings["render_s"] += time.perf_counter() - start
         return images
 
     def reset(self, seed: int) -> dict:
+        start = time.perf_counter()
         self._env.seed(int(seed))
         full_state, _ = self._env.reset()
         self._steps = 0
+        self.timings["sim_s"] += time.perf_counter() - start
         return self._observation(full_state)
 
-    def step(self, action: np.ndarray) -> tuple[dict, float, bool, bool, dict]:
+    def step(self, action: np.ndarray, render: bool = True) -> Step:
+        """``done`` is the time limit: MetaWorld episodes do not end on their own (success is a state that can
+        be left again, so the caller decides whether success ends the episode). ``render=False``: no images
+        (rendering costs ~10x the physics step; a caller that will not look at them skips it)."""
+        start = time.perf_counter()
         action = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
         full_state, reward, _, _, info = self._env.step(action)
         self._steps += 1
         success = bool(info.get("success", 0.0))
         truncated = self._steps >= self.max_episode_steps
-        return self._observation(full_state), float(reward), success, truncated, info
+        self.timings["sim_s"] += time.perf_counter() - start
+        return Step(self._observation(full_state, render), float(reward), success, truncated, info)
 
     def close(self) -> None:
         if self._renderer is not None:
@@ -213,3 +229,12 @@ class MetaWorldEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def make_env(task: str, *, image_size: int = 64, cameras: dict[str, str] | None = None,
+             max_steps: int = 500) -> MetaWorldEnv:
+    render = RenderConfig(image_size, image_size, dict(cameras) if cameras is not None else {})
+    return MetaWorldEnv(task, render, max_episode_steps=max_steps)
+
+
+ENV_SPEC = EnvSpec("metaworld", make_env, resolve_tasks, task_description, camera_aliases=CAMERA_ALIASES)

@@ -20,9 +20,9 @@ output directory reads (``eval`` and ``export`` read the safetensors).
 
 What a killed save leaves (a hidden ``.<step>.<random>.tmp/``, ``.last.tmp``) is removed by the next run
 (``remove_stale_files``): only our own names, and only temporaries no live process holds. Retention
-(``prune_checkpoints``) keeps the newest ``keep_last`` step directories and whatever ``last`` and ``best`` point
-to; a step directory is renamed away before it is deleted, so a kill mid-delete never leaves half a checkpoint
-under a step name.
+(``prune_checkpoints``) keeps the newest ``keep_last`` step directories, whatever ``last`` and ``best`` point
+to, and the checkpoints an evaluation is waiting for or reading (``train/evaluation.py``); a step directory is
+renamed away before it is deleted, so a kill mid-delete never leaves half a checkpoint under a step name.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -145,10 +146,20 @@ def _os_reason(exc: Exception) -> str:
 
 
 def _point_last(checkpoints: Path, name: str) -> None:
-    tmp = checkpoints / ".last.tmp"
+    _point(checkpoints, "last", name)
+
+
+def point_best(checkpoints: Path, name: str) -> None:
+    """Switch ``best`` to the step directory ``name`` (the highest evaluated success so far)."""
+    _point(checkpoints, "best", name)
+
+
+def _point(checkpoints: Path, pointer: str, name: str) -> None:
+    """A relative symlink, swapped in with one rename: a reader sees the old target or the new one, never none."""
+    tmp = checkpoints / f".{pointer}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(name, tmp)
-    os.replace(tmp, checkpoints / "last")
+    os.replace(tmp, checkpoints / pointer)
     fsync_dir(checkpoints)
 
 
@@ -177,14 +188,15 @@ def remove_stale_files(output_dir: Path) -> list[Path]:
     return removed
 
 
-def prune_checkpoints(output_dir: Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(output_dir: Path, keep_last: int, keep: Iterable[str] = ()) -> list[Path]:
     """Delete step directories beyond the newest ``keep_last`` (0 keeps all), never one that ``last`` or ``best``
-    points to; returns what was deleted."""
+    points to nor one named in ``keep`` (an evaluation is waiting to read it or reading it); returns what was
+    deleted."""
     checkpoints = Path(output_dir) / "checkpoints"
     steps = step_directories(checkpoints)
     if keep_last <= 0 or len(steps) <= keep_last:
         return []
-    pinned = {(checkpoints / name).resolve() for name in POINTERS if (checkpoints / name).is_symlink()}
+    pinned = {(checkpoints / name).resolve() for name in (*POINTERS, *keep) if (checkpoints / name).exists()}
     deleted = []
     for step_dir in steps[:-keep_last]:
         if step_dir.resolve() in pinned:

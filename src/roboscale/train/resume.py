@@ -23,6 +23,7 @@ from roboscale.errors import CheckpointError, ConfigError
 # Options a resumed run may change: they do not alter the model, the data order or the optimizer's trajectory
 # (steps moves the end of the cosine schedule, which is what a user extending a run wants).
 RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threads", "resume",
+                     "eval.",  # evaluations during training read checkpoints; they do not change them
                      "dataset.num_workers", "dataset.prefetch_factor",
                      # how the same run is spread over ranks and devices: the loader's order and the update do not
                      # depend on them (a resume may change the number of ranks too)

@@ -18,6 +18,10 @@ step's metrics and
   ``memory/peak``; ``skipped_steps`` (NaN/Inf updates skipped so far); ``distinct_episodes`` (mean distinct
   episodes in this rank's share of a batch, since the start: how independent the batches are).
 
+Evaluations during training (``train/evaluation.py``) add lines ``{"step", "eval/success", "eval/success/<task>",
+"eval/ci_low", "eval/ci_high"}`` at their checkpoint's step when they end, later than the lines of the steps
+trained meanwhile.
+
 A resumed run first drops the lines after its checkpoint's step, so the file reads as one run.
 """
 
@@ -27,6 +31,7 @@ import json
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 COUNTS = ("tokens", "computed_tokens")  # per-step counts: summed over the window, not averaged
 LAST = ("lr", "skipped_steps")  # the value at the logged step, not a window mean
 METRICS_FILE = "metrics.jsonl"
+EVAL_KEY = "eval/success"  # marks the lines of finished evaluations (write_eval)
 
 
 class Telemetry:
@@ -120,12 +126,34 @@ class Telemetry:
             self.wandb.log(summary, step=step)
         log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
 
-    def truncate_after(self, step: int) -> None:
-        """Drop the lines a killed run logged after the checkpoint this run resumes from."""
+    def write_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0: a finished evaluation of the checkpoint of ``step`` (``eval/success``, ``eval/success/<task>``,
+        ``eval/ci_low``, ``eval/ci_high``): one line of metrics.jsonl and TensorBoard scalars at that step, however
+        much later the evaluation ended (so its line may follow lines of later steps)."""
+        if self.writer is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()  # evaluations are rare and slow: show them now, not at the writer's next flush
+        if self.wandb is not None:
+            # W&B refuses steps older than its last one; its own x-axis keeps the checkpoint's step
+            self.wandb.log({**metrics, "eval/step": step})
+
+    def truncate_after(self, step: int, evaluated: Collection[int] | None = None) -> None:
+        """Drop the lines a killed run logged after the checkpoint this run resumes from, and, given the steps
+        whose evaluations are on record (``evaluated``), the eval lines of the others (their evaluation is
+        redone)."""
         if self.writer is None or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+
+        def keep(record: dict[str, Any]) -> bool:
+            if record.get("step", 0) > step:
+                return False
+            return evaluated is None or EVAL_KEY not in record or record["step"] in evaluated
+
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and keep(json.loads(line))]
         from roboscale.utils.io import atomic_path
 
         with atomic_path(self.path) as tmp:

@@ -2,9 +2,10 @@
 process or on the data-parallel ranks torchrun or Ray Train started.
 
 ``Trainer(cfg).fit()`` goes build -> parallelize -> restore -> loop, and the loop calls its hooks (logging,
-checkpointing) after every step. The policy is driven only through the Policy contract and its registered
-objective, the data only through the loader's iterator and ``state_dict``; parallelism is applied to the plain
-policy from outside (``roboscale.distributed.parallelize``).
+checkpointing, polling the evaluation that runs beside training: ``train/evaluation.py``) after every step. The
+policy is driven only through the Policy contract and its registered objective, the data only through the
+loader's iterator and ``state_dict``; parallelism is applied to the plain policy from outside
+(``roboscale.distributed.parallelize``).
 
 One optimizer step is one global batch (``--batch_size`` samples over all ranks). Each rank's share may be
 split into micro-batches (a token budget, ``--grad_accum``); every rank runs the same number of them (a rank
@@ -53,7 +54,10 @@ def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False) ->
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, progress: bool = True, restartable: bool = False):
+    def __init__(self, cfg: TrainConfig, *, progress: bool = True, restartable: bool = False,
+                 eval_command: Callable[[Path, Path], list[str]] | None = None):
+        """``eval_command``: (checkpoint, report directory) -> the argv that evaluates a checkpoint during
+        training (default: ``roboscale eval`` with the ``--eval.*`` options)."""
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.progress = progress
@@ -73,6 +77,8 @@ class Trainer:
         self.skipped_steps = 0
         self._nonfinite_in_a_row = 0
         self._after_step: Callable[[], None] | None = None
+        self.eval_command = eval_command
+        self.evaluations: Any = None  # rank 0's EvaluationScheduler, with --eval.every
 
     def fit(self) -> Path:
         self.env = init_distributed(self.cfg.parallel.timeout_s, self.cfg.num_threads)
@@ -108,10 +114,12 @@ class Trainer:
                     log.info("removed %s, left by a run that was killed while saving", stale)
             self.build()
             self.parallelize()
-            self.restore()
             try:
+                self.restore()
                 return self.loop()
-            finally:  # stop the loader's worker processes even when a step fails
+            finally:  # stop the loader's workers and the evaluation in flight even when a step fails (or Ctrl-C)
+                if self.evaluations is not None:
+                    self.evaluations.close()
                 self.telemetry.close()
                 self.loader.close()
 
@@ -290,11 +298,24 @@ class Trainer:
             if self.env.is_main:
                 log.info("resumed from %s at step %d (saved by %d ranks, now %d)", self.resume_from, self.step,
                          int(trainer.get("world_size", 1)), self.env.world_size)
-            self.telemetry.truncate_after(self.step)
         elif self.env.rank:  # rank 0 keeps the seed's own stream, so one process trains as it always did
             torch.manual_seed(rank_seed(self.cfg.seed, self.env.rank, 0))
+        evaluated = self.start_evaluations()
+        if self.resume_from is not None:
+            self.telemetry.truncate_after(self.step, evaluated)
         if self.env.is_main:
             save_yaml(self.cfg, self.output_dir / "train_config.yaml")
+
+    def start_evaluations(self) -> set[int] | None:
+        """Rank 0, with --eval.every: the scheduler of evaluations during training, continuing the record of this
+        output_dir's earlier evaluations from the resumed step; returns the evaluated steps (None: no scheduler)."""
+        if not (self.env.is_main and self.cfg.eval.every):
+            return None
+        from roboscale.train.evaluation import EvaluationScheduler
+
+        self.evaluations = EvaluationScheduler(self.output_dir, self.cfg.eval, command=self.eval_command,
+                                               report=self.telemetry.write_eval)
+        return self.evaluations.resume(self.step if self.resume_from is not None else 0)
 
     # --- the loop -------------------------------------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list[Any]:
@@ -402,8 +423,12 @@ class Trainer:
                 metrics = self.train_step(batch)
                 self.log(metrics, bar)
                 final = self.checkpoint() or final
+                if self.evaluations is not None:
+                    self.evaluations.poll()  # never waits: a finished evaluation is recorded, the queued one starts
         if final is None:  # resumed at the last step: nothing left to train
             final = last_checkpoint(self.output_dir)
+        if self.evaluations is not None:  # the final checkpoint's evaluation too, so that `best` is final
+            self.evaluations.finish(int(final.name))
         return final / PRETRAINED
 
     # --- hooks ----------------------------------------------------------------------------------------------
@@ -434,7 +459,8 @@ class Trainer:
         from roboscale.train.checkpoint import prune_checkpoints, save_checkpoint
 
         cfg = self.cfg
-        if self.step % cfg.save_freq and self.step != cfg.steps:
+        due = self.evaluation_due()
+        if self.step % cfg.save_freq and self.step != cfg.steps and not due:
             return None
         full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.ema:  # the averaged weights are the ones worth evaluating
@@ -446,8 +472,17 @@ class Trainer:
                             "rng": torch.get_rng_state()},
             train_config=cfg, env=self.env)
         if self.env.is_main:
-            prune_checkpoints(self.output_dir, cfg.checkpoint.keep_last)
+            if due and self.evaluations is not None:
+                self.evaluations.submit(self.step)
+            keep = self.evaluations.pending() if self.evaluations is not None else []
+            prune_checkpoints(self.output_dir, cfg.checkpoint.keep_last, keep=keep)
         return saved
+
+    def evaluation_due(self) -> bool:
+        """--eval.every: this step's checkpoint is evaluated (every ``every`` steps, and the last one). A checkpoint
+        is saved at these steps whatever --save_freq says, so ``every`` need not be a multiple of it."""
+        every = self.cfg.eval.every
+        return bool(every) and (self.step % every == 0 or self.step == self.cfg.steps)
 
 
 def check_parallel_options(cfg: TrainConfig, plan: Any) -> None:

@@ -1,0 +1,61 @@
+"""The rollout engine's options: how many env workers and inference servers, how observations are batched, and
+how crashed or hung simulators are retried (shared by `roboscale eval` and, later, RL post-training)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roboscale.errors import ConfigError
+
+INFERENCE_MODES = ("server", "worker")
+RENDER_MODES = ("on_demand", "every_step")
+
+
+@dataclass
+class RolloutConfig:
+    """Env workers step simulators; inference servers run the policy on dynamic batches of their observations."""
+
+    workers: int = 2
+    """Env worker processes."""
+    envs_per_worker: int = 4
+    """Environments each worker steps (episodes it runs at once)."""
+    sub_batches: int = 2
+    """Groups a worker's environments are split into: one group steps while another waits for its actions, so
+    simulation overlaps with inference."""
+    inference: str = "server"
+    """server: inference servers batch the observations of all workers; worker: each worker holds its own
+    policy and predicts for its own environments (the design before the engine; a baseline)."""
+    render: str = "on_demand"
+    """on_demand: cameras render only the observations the policy will see (the step before each new chunk, every
+    n_action_steps) and video frames; every_step: render every step (the design before the engine; a baseline)."""
+    servers: int = 1
+    """Inference server processes (one per GPU on a GPU machine)."""
+    max_batch_size: int = 32
+    """A server runs the policy as soon as this many observations wait..."""
+    batch_timeout_ms: float = 5.0
+    """...or this long after the first of them arrived."""
+    device: str = "auto"
+    """Where the policy runs: auto (cuda if available), cpu, cuda, cuda:N."""
+    inference_threads: int = 0
+    """torch threads of each inference process (0: the machine's cores over the processes sharing them: servers
+    and env workers, or the workers that predict for themselves)."""
+    max_retries: int = 2
+    """Times an episode whose simulator crashed or hung is retried (on new workers) before it counts as failed."""
+    watchdog_s: float = 300.0
+    """A worker or server silent for this long is taken for hung: it is killed and its episodes retried."""
+    ray_address: str = ""
+    """Run workers and servers as tasks on this Ray cluster (HOST:PORT); empty: local processes."""
+    worker_cpus: float = 1.0
+    """CPUs a Ray env worker reserves (fractions allowed)."""
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "envs_per_worker", "sub_batches", "servers", "max_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--rollout.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.inference not in INFERENCE_MODES:
+            raise ConfigError(f"--rollout.inference must be one of {list(INFERENCE_MODES)}, got {self.inference!r}")
+        if self.render not in RENDER_MODES:
+            raise ConfigError(f"--rollout.render must be one of {list(RENDER_MODES)}, got {self.render!r}")
+        if self.batch_timeout_ms < 0 or self.max_retries < 0 or self.watchdog_s <= 0 or self.inference_threads < 0:
+            raise ConfigError("--rollout.batch_timeout_ms, max_retries and inference_threads must be >= 0 and "
+                              "--rollout.watchdog_s > 0")

@@ -1,0 +1,12 @@
+"""The flow-matching noise of an episode: drawn from (episode seed, chunk index) alone, so the actions of an
+episode do not depend on which other observations share its batch, on the worker, or on the server."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def chunk_noise(episode_seed: int, chunk_index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """N(0, 1) float32 noise for the ``chunk_index``-th action chunk an episode predicts."""
+    return np.random.Generator(np.random.PCG64([int(episode_seed), int(chunk_index)])).standard_normal(
+        shape, dtype=np.float32)

@@ -1,0 +1,80 @@
+"""The one interface evaluation and RL reach simulators through, and the registry of adapters.
+
+An adapter is an ``EnvSpec``: how to name its tasks (suites included), the instruction a task gives the policy, and
+how to build an ``Env`` for one task with given cameras. ``Env.reset(seed)`` alone fixes the initial state, so an
+episode is reproducible in whichever process runs it; ``step(action)`` returns a ``Step``.
+
+Adding a simulator is one module that defines an ``ENV_SPEC`` and one line in ``BUILTIN`` (or, without touching
+this file, passing ``--env=package.module:SPEC_NAME``). See docs/architecture.md, "Adding an environment".
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from roboscale.errors import ConfigError
+
+
+class Step(NamedTuple):
+    observation: dict[str, Any]
+    """``state`` (float32 [S]: what the policy sees), ``images`` ({camera name: H x W x 3 uint8})."""
+    reward: float
+    success: bool
+    done: bool
+    """The episode was cut off (time limit) or ended on its own."""
+    info: dict[str, Any]
+
+
+class Env(Protocol):
+    task: str
+    instruction: str
+    """What the task asks in words (the policy's default prompt)."""
+    camera_names: list[str]
+    timings: dict[str, float]
+    """Seconds spent so far in ``sim_s`` (physics) and ``render_s`` (cameras): the rollout engine's breakdown."""
+
+    def reset(self, seed: int) -> dict[str, Any]: ...
+
+    def step(self, action: Any, render: bool = True) -> Step:
+        """``render=False``: the observation may leave ``images`` empty (nobody will look at them)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    name: str
+    make: Callable[..., Env]
+    """``make(task, image_size=..., cameras={name: sim camera}, max_steps=...) -> Env``."""
+    resolve_tasks: Callable[[Sequence[str]], list[str]]
+    """Task and suite names as a user writes them -> the env's task names (a ConfigError for unknown ones)."""
+    instruction: Callable[[str], str]
+    camera_aliases: dict[str, str] = field(default_factory=dict)
+    """Dataset camera names -> the simulator's camera names, where they differ."""
+
+    def sim_cameras(self, names: Sequence[str]) -> dict[str, str]:
+        return {name: self.camera_aliases.get(name, name) for name in names}
+
+
+BUILTIN: dict[str, str] = {"metaworld": "roboscale.sim.metaworld:ENV_SPEC"}
+
+
+def env_spec(name: str) -> EnvSpec:
+    """The adapter registered as ``name``, or one given as ``module:attribute`` (imported lazily, also in the
+    rollout workers, which receive only this name)."""
+    target = BUILTIN.get(name, name)
+    if ":" not in target:
+        raise ConfigError(f"unknown environment {name!r}; registered: {sorted(BUILTIN)} "
+                          "(or give an adapter as package.module:SPEC)")
+    module_name, attribute = target.split(":", 1)
+    try:
+        spec = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"environment {name!r}: cannot load {target} ({exc})") from None
+    if not isinstance(spec, EnvSpec):
+        raise ConfigError(f"environment {name!r}: {target} is a {type(spec).__name__}, not an EnvSpec")
+    return spec

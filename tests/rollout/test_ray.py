@@ -1,0 +1,40 @@
+"""The rollout engine on Ray: env workers and the inference server run as Ray tasks, talking through Ray queues,
+with the same results as local processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.models.helpers import tiny_policy
+
+pytest.importorskip("ray")
+
+
+@pytest.mark.slow
+def test_an_evaluation_on_ray_matches_the_local_one(tmp_path):
+    checkpoint = tmp_path / "ckpt" / "pretrained_model"
+    tiny_policy().save_pretrained(checkpoint)
+    common = [sys.executable, "-m", "roboscale", "eval", f"--checkpoint={checkpoint}", "--tasks=[reach]",
+              "--episodes=3", "--max_steps=10", "--videos_per_task=0", "--rollout.workers=2",
+              "--rollout.envs_per_worker=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}
+    local = subprocess.run([*common, f"--output_dir={tmp_path / 'local'}"], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert local.returncode == 0, local.stderr[-2000:]
+    on_ray = subprocess.run([*common, f"--output_dir={tmp_path / 'ray'}", "--rollout.ray_address=local",
+                             "--rollout.worker_cpus=0.5"], env=env, capture_output=True, text=True, timeout=600)
+    assert on_ray.returncode == 0, on_ray.stderr[-2000:]
+
+    def episodes(name):
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        return [(e["episode"], e["seed"], e["steps"], e["success"], round(e["sum_reward"], 4))
+                for e in report["episodes"]], report["timing"]
+
+    (local_episodes, _), (ray_episodes, ray_timing) = episodes("local"), episodes("ray")
+    assert ray_episodes == local_episodes
+    assert ray_timing["env_steps"] == 30 and ray_timing["inference_calls"] > 0

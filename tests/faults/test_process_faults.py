@@ -61,30 +61,37 @@ def test_a_dead_or_stopped_loader_worker_is_an_error_not_a_hang(small_root: Path
 
 
 @pytest.mark.slow
-def test_a_killed_evaluation_worker_is_an_error_not_a_hang(tiny_dataset: Path, tmp_path: Path) -> None:
+def test_a_killed_inference_server_is_an_error_not_a_hang(tiny_dataset: Path, tmp_path: Path) -> None:
+    """A dead env worker is retried (tests/rollout/test_engine.py); the server holds the policy every worker
+    needs, so its death ends the evaluation, at once and by name."""
     import multiprocessing
 
     from roboscale.configs.eval import EvalConfig
+    from roboscale.configs.rollout import RolloutConfig
     from roboscale.eval.closed_loop import evaluate
 
     run = tmp_path / "run"
     assert run_cli("train", f"--dataset.root={tiny_dataset}", f"--output_dir={run}", "--steps=1",
                    "--batch_size=4", *TINY_PI05).kind == "ok"
 
-    def kill_the_worker() -> None:
-        _wait_for(lambda: multiprocessing.active_children(), 60, "an evaluation worker")
-        time.sleep(1.0)
-        for child in multiprocessing.active_children():
-            os.kill(child.pid, signal.SIGKILL)
+    def servers() -> list:
+        return [p for p in multiprocessing.active_children() if p.name == "rollout-server0"]
 
-    killer = threading.Thread(target=kill_the_worker)
+    def kill_the_server() -> None:
+        _wait_for(servers, 60, "the inference server")
+        time.sleep(1.0)  # let it serve a while: the kill lands mid-evaluation
+        for server in servers():
+            os.kill(server.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_server)
     killer.start()
     started = time.monotonic()
-    with pytest.raises(WorkerError, match=r"an evaluation worker died \(exit code -9\)"):
-        evaluate(EvalConfig(checkpoint=str(run), tasks=["reach"], episodes=50, max_steps=50, workers=1,
-                            videos_per_task=0, output_dir=str(tmp_path / "eval")), progress=False)
+    with pytest.raises(WorkerError, match=r"the inference server server0 died \(killed by signal 9\)"):
+        evaluate(EvalConfig(checkpoint=str(run), tasks=["reach"], episodes=50, max_steps=50, videos_per_task=0,
+                            output_dir=str(tmp_path / "eval"), rollout=RolloutConfig(workers=1)), progress=False)
     killer.join()
     assert time.monotonic() - started < 120
+    assert not multiprocessing.active_children()  # the workers were stopped too
 
 
 # --------------------------------------------------------------------------------------------------- a full disk

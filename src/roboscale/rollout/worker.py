@@ -1,8 +1,8 @@
 """An env worker: one process that steps several environments of one adapter and asks for their actions.
 
-Its environments are split into ``sub_batches`` groups. A group whose environments all have queued actions takes
-a step; a group where one of them has run out sends one request for those that have and waits, while the other
-groups keep stepping, so simulation overlaps with inference. Each environment runs one episode at a time, taken
+Its environments are split into ``sub_batches`` groups. The environments of a group that still have queued
+actions take a step; when none has, the group sends one request for all of them and waits, while the other groups
+keep stepping, so simulation overlaps with inference. Each environment runs one episode at a time, taken
 from the jobs the engine sends; when it ends, the result goes back and the environment takes the next job.
 
 Messages:
@@ -125,18 +125,23 @@ class _EnvWorker:
         self.events.put(("stats", self.s.name, self.stats))
 
     def _advance(self, g: int, group: list[_Slot]) -> bool:
-        """One step of every environment of the group, or a request for those that ran out of actions."""
+        """One step of the group's environments that have actions; when none has, one request for all of them.
+
+        An environment whose episode just started waits (at most n_action_steps - 1 steps) for the others of its
+        group to run dry, so that the group keeps asking together: batches stay as large as the group even when
+        episodes end at different times. What an episode does is unaffected (it only starts a little later)."""
         if self.waiting[g]:
             return False
         active = [slot for slot in group if slot.job is not None]
         if not active:
             return False
-        empty = [slot for slot in active if not slot.queue]
-        if empty:
-            self._request(g, empty)
+        ready = [slot for slot in active if slot.queue]
+        if not ready:
+            self._request(g, active)
             if self.waiting[g]:
                 return False
-        for slot in active:
+            ready = active  # predicted in this process: the actions are there already
+        for slot in ready:
             self._step(slot)
         return True
 

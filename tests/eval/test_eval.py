@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,7 +108,7 @@ def test_an_interrupted_evaluation_resumes_with_the_episodes_it_had(checkpoint, 
                      videos_per_task=0, output_dir=str(out), rollout=RolloutConfig(workers=1, envs_per_worker=1))
     resumed = evaluate(cfg, progress=False)
     assert resumed["timing"]["episodes_resumed"] == finished and resumed["timing"]["episodes_run"] == 8 - finished
-    fresh = evaluate(EvalConfig(**{**cfg.__dict__, "output_dir": str(tmp_path / "fresh")}), progress=False)
+    evaluate(EvalConfig(**{**cfg.__dict__, "output_dir": str(tmp_path / "fresh")}), progress=False)
     strip = [{k: v for k, v in e.items() if k != "wall_s"}
              for e in json.loads((out / "report.json").read_text())["episodes"]]
     assert strip == [{k: v for k, v in e.items() if k != "wall_s"}

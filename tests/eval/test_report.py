@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from roboscale.eval.report import success_table, summarize, write_report
-from roboscale.utils.stats import two_proportion_test, wilson_interval
 from roboscale.rollout.episode import EpisodeResult
+from roboscale.utils.stats import two_proportion_test, wilson_interval
 
 PROTOCOL = {
     "env": "metaworld",

@@ -208,15 +208,15 @@ def test_the_evaluation_command_is_roboscale_eval_with_the_eval_options(tmp_path
     from roboscale.config import parse
     from roboscale.configs.eval import EvalConfig
 
-    cfg = EvalDuringTrainingConfig(every=5, tasks=["reach", "push"], episodes=3, seed=7, max_steps=20, workers=2,
-                                   videos_per_task=0)
+    cfg = EvalDuringTrainingConfig(every=5, env="tests.rollout.fake_envs:SPEC", tasks=["reach", "push"], episodes=3,
+                                   seed=7, max_steps=20, workers=2, videos_per_task=0)
     argv = eval_command(cfg)(tmp_path / "checkpoints" / "000005", tmp_path / "eval" / "step_000005")
     assert argv[:4] == [sys.executable, "-m", "roboscale", "eval"]
     parsed = parse(EvalConfig, argv[4:])  # every option is one `roboscale eval` knows
     assert (parsed.checkpoint, parsed.output_dir) == (str(tmp_path / "checkpoints" / "000005"),
                                                      str(tmp_path / "eval" / "step_000005"))
-    assert (parsed.tasks, parsed.episodes, parsed.seed, parsed.max_steps, parsed.rollout.workers,
-            parsed.videos_per_task) == (["reach", "push"], 3, 7, 20, 2, 0)
+    assert (parsed.env, parsed.tasks, parsed.episodes, parsed.seed, parsed.max_steps, parsed.rollout.workers,
+            parsed.videos_per_task) == ("tests.rollout.fake_envs:SPEC", ["reach", "push"], 3, 7, 20, 2, 0)
 
 
 def test_eval_options_parse_are_checked_and_may_change_on_resume(capsys):
@@ -257,6 +257,17 @@ def eval_config(tiny_dataset, out, steps, **kw):
     cfg.eval = EvalDuringTrainingConfig(every=2, tasks=["reach"], episodes=1, max_steps=5, workers=1,
                                         videos_per_task=0)
     return cfg
+
+
+def test_an_unknown_eval_task_is_refused_before_training_starts(tiny_dataset, tmp_path):
+    from roboscale.errors import ConfigError
+
+    out = tmp_path / "run"
+    cfg = eval_config(tiny_dataset, out, steps=2)
+    cfg.eval.tasks = ["reach", "reachh"]
+    with pytest.raises(ConfigError, match="--eval.tasks / --eval.env: unknown MetaWorld task 'reachh'"):
+        Trainer(cfg, progress=False).fit()
+    assert not (out / "checkpoints").exists()
 
 
 def test_training_goes_on_while_a_checkpoint_is_evaluated(tiny_dataset, tmp_path, monkeypatch):

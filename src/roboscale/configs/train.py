@@ -75,8 +75,10 @@ class EvalDuringTrainingConfig:
     """Evaluate the checkpoint of every this many steps, and the final one (0: off). A checkpoint is saved at
     these steps whatever --save_freq says. Training does not wait: one evaluation runs at a time, and a newer
     checkpoint replaces one still waiting for its turn."""
+    env: str = "metaworld"
+    """The simulator adapter (as `roboscale eval --env`)."""
     tasks: list[str] = field(default_factory=lambda: ["demo"])
-    """Tasks or suites to evaluate on (as `roboscale eval --tasks`)."""
+    """Tasks or suites to evaluate on (as `roboscale eval --tasks`; checked before training starts)."""
     episodes: int = 10
     """Episodes per task."""
     seed: int = 1000

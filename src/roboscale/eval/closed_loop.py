@@ -155,9 +155,8 @@ def _previous_episodes(out_dir: Path, episode_log: Any, protocol: dict, resume: 
 
 
 def _run(engine: Any, jobs: list, episode_log: Any, progress: bool) -> tuple[list, Any]:
-    from tqdm import tqdm
-
     import numpy as np
+    from tqdm import tqdm
 
     finished: list = []
     with tqdm(total=len(jobs), desc="evaluating", unit="ep", disable=not progress) as bar:

@@ -18,8 +18,8 @@ from roboscale.errors import ConfigError
 from roboscale.eval.plots import BarSeries, bar_chart
 from roboscale.eval.report import html_table, page, protocol_of, rate_with_interval
 from roboscale.eval.run_report import EVALS, best_evaluation, best_step, is_training_run, read_evals
-from roboscale.utils.stats import two_proportion_test
 from roboscale.utils.io import atomic_write_bytes
+from roboscale.utils.stats import two_proportion_test
 
 # Protocol fields that change what is recorded, not what is measured: not a reason to warn.
 NOT_COMPARED = ("videos_per_task", "video_camera")

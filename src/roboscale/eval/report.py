@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from html import escape
 from collections.abc import Collection
+from html import escape
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from roboscale.eval.plots import BarSeries, bar_chart
-from roboscale.utils.stats import wilson_interval
 from roboscale.utils.io import atomic_write_bytes, atomic_write_json
+from roboscale.utils.stats import wilson_interval
 
 # Protocol fields in reading order, with their labels; fields not listed here are still shown, after these.
 PROTOCOL_FIELDS = {

@@ -153,7 +153,8 @@ class _Pool:
             settings = WorkerSettings(
                 name, i, generation, setup.env, setup.env_options, cfg.envs_per_worker, cfg.sub_batches,
                 setup.n_action_steps, setup.video_camera, setup.video_dir,
-                render_every_step=cfg.render == "every_step", local_checkpoint="" if serving else setup.checkpoint, device=device, threads=threads)
+                render_every_step=cfg.render == "every_step", local_checkpoint="" if serving else setup.checkpoint,
+                device=device, threads=threads)
             self.workers[name] = launcher.start(
                 run_env_worker, (settings, self.inboxes[i], self.requests, self.replies[i], self.events),
                 name=f"rollout-{name}", cpus=cfg.worker_cpus)

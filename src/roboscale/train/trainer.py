@@ -95,6 +95,7 @@ class Trainer:
         cfg = self.cfg
         self.plan = resolve_plan(cfg.parallel, self.env)
         check_parallel_options(cfg, self.plan)
+        check_eval_options(cfg)
         if self.restartable and not cfg.resume and (self.output_dir / "checkpoints" / "last").exists():
             log.info("restarted: resuming from the last checkpoint in %s", self.output_dir)
             cfg.resume = True
@@ -494,6 +495,19 @@ def check_parallel_options(cfg: TrainConfig, plan: Any) -> None:
     if cfg.grad_accum > share:
         raise ConfigError(f"--grad_accum={cfg.grad_accum} exceeds each rank's {share} samples of --batch_size="
                           f"{cfg.batch_size}")
+
+
+def check_eval_options(cfg: TrainConfig) -> None:
+    """--eval.*: the environment and tasks of the evaluations during training, named before anything is built
+    (each evaluation would otherwise fail and only be recorded, while training went on unevaluated)."""
+    if not cfg.eval.every:
+        return
+    from roboscale.sim.env import env_spec
+
+    try:
+        env_spec(cfg.eval.env).resolve_tasks(cfg.eval.tasks)
+    except ConfigError as exc:
+        raise ConfigError(f"--eval.tasks / --eval.env: {exc}") from None
 
 
 def freeze(policy: torch.nn.Module, components: list[str]) -> None:

@@ -31,3 +31,18 @@ def test_atomic_json_write_failure_keeps_the_old_file(tmp_path):
     with pytest.raises(TypeError):
         atomic_write_json(path, {"a": object()})
     assert path.read_text().strip().replace(" ", "").replace("\n", "") == '{"a":1}'
+
+
+def test_json_lines_skip_a_torn_line_and_repair_cuts_it_off(tmp_path):
+    from roboscale.utils.io import append_json_line, read_json_lines
+
+    path = tmp_path / "log.jsonl"
+    assert read_json_lines(path) == ([], 0)
+    append_json_line(path, {"step": 1})
+    with open(path, "ab") as f:
+        f.write(b'{"step": 2, "succ')  # what a kill mid-write leaves
+    assert read_json_lines(path) == ([{"step": 1}], 1)
+    assert path.read_bytes().endswith(b'"succ')  # readers leave the file alone
+    assert read_json_lines(path, repair=True) == ([{"step": 1}], 0)
+    append_json_line(path, {"step": 3})
+    assert read_json_lines(path) == ([{"step": 1}, {"step": 3}], 0)

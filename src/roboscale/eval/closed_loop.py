@@ -8,14 +8,18 @@ rerun with the same protocol skips them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from roboscale.configs.eval import EvalConfig
 from roboscale.errors import CheckpointError, ConfigError
+from roboscale.utils.io import atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,9 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     from roboscale.eval.report import write_report
     from roboscale.models.policy import Policy
     from roboscale.rollout.engine import EnvSetup, RolloutEngine
+    from roboscale.rollout.episode import EpisodeJob
     from roboscale.sim.env import env_spec
+    from roboscale.sim.experts import episode_seed
 
     spec = env_spec(cfg.env)
     tasks = spec.resolve_tasks(cfg.tasks)
@@ -63,9 +69,6 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     _check_cameras(spec, tasks[0], env_options, checkpoint)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    from roboscale.sim.experts import episode_seed
-    from roboscale.utils.io import sha256_file
 
     protocol = {
         "env": spec.name, "tasks": tasks, "episodes_per_task": cfg.episodes, "seed": cfg.seed,
@@ -84,8 +87,6 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     done = _previous_episodes(out_dir, episode_log, {**protocol, "checkpoint_sha256": meta["checkpoint_sha256"]},
                               cfg.resume)
     candidates = 3 * cfg.videos_per_task  # videos are kept for failures and successes both: record a few more
-    from roboscale.rollout.episode import EpisodeJob
-
     jobs = [
         EpisodeJob(task, i, episode_seed(cfg.seed, task, i), instructions.get(task, ""), record_video=i < candidates)
         for task in tasks
@@ -133,10 +134,6 @@ def _check_cameras(spec: Any, task: str, env_options: dict, checkpoint: Path) ->
 
 def _previous_episodes(out_dir: Path, episode_log: Any, protocol: dict, resume: bool) -> dict:
     """The episodes an interrupted run with the same protocol finished (none when ``resume`` is off)."""
-    import json
-
-    from roboscale.utils.io import atomic_write_json
-
     path = out_dir / PROTOCOL_FILE
     done = {}
     if resume and path.is_file():
@@ -155,7 +152,6 @@ def _previous_episodes(out_dir: Path, episode_log: Any, protocol: dict, resume: 
 
 
 def _run(engine: Any, jobs: list, episode_log: Any, progress: bool) -> tuple[list, Any]:
-    import numpy as np
     from tqdm import tqdm
 
     finished: list = []

@@ -26,7 +26,7 @@ from roboscale.eval.report import (
     success_bars,
     videos_html,
 )
-from roboscale.utils.io import atomic_write_bytes
+from roboscale.utils.io import atomic_write_bytes, read_json_lines
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"
@@ -42,31 +42,10 @@ CURVES = (
 CURVE_KEYS = {key for key, *_ in CURVES}
 
 
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a .jsonl file, and how many lines could not be read (a line torn by a crash, or one
-    being written right now, must not hide the rest)."""
-    if not path.is_file():
-        return [], 0
-    records, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            bad += 1
-    return records, bad
-
-
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """The run's finished evaluations in step order; a step evaluated twice (a resumed run) keeps its last line."""
     by_step: dict[int, dict[str, Any]] = {}
-    for record in read_jsonl(Path(run_dir) / EVALS)[0]:
+    for record in read_json_lines(Path(run_dir) / EVALS)[0]:
         if isinstance(record.get("step"), int) and isinstance(record.get("success_rate"), (int, float)):
             by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
@@ -75,7 +54,7 @@ def read_evals(run_dir: Path) -> list[dict[str, Any]]:
 def failed_evals(run_dir: Path) -> list[dict[str, Any]]:
     """Evaluations that failed (a line with ``error``) and were not later redone successfully, in step order."""
     done = {e["step"] for e in read_evals(run_dir)}
-    failed = {r["step"]: r for r in read_jsonl(Path(run_dir) / EVALS)[0]
+    failed = {r["step"]: r for r in read_json_lines(Path(run_dir) / EVALS)[0]
               if isinstance(r.get("step"), int) and r.get("error") and r["step"] not in done}
     return [failed[s] for s in sorted(failed)]
 
@@ -118,7 +97,7 @@ def write_run_report(run_dir: Path, output: Path | None = None) -> Path:
 
 
 def run_report_html(run_dir: Path, page_dir: Path) -> str:
-    metrics, bad_metrics = read_jsonl(run_dir / METRICS)
+    metrics, bad_metrics = read_json_lines(run_dir / METRICS)
     evals = read_evals(run_dir)
     best, how = best_evaluation(run_dir, evals)
     body = [f"<h1>Training run: {escape(run_dir.resolve().name)}</h1>", f"<p><code>{escape(str(run_dir))}</code></p>"]

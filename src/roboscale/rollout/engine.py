@@ -91,7 +91,6 @@ class RolloutEngine:
         stats = RolloutStats()
         results: dict[tuple[str, int], EpisodeResult] = {}
         attempts: dict[tuple[str, int], int] = {job.key: 0 for job in jobs}
-        by_key = {job.key: job for job in jobs}
         pending: deque[EpisodeJob] = deque(jobs)
         start = time.perf_counter()
         launcher = launcher_for(self.cfg.ray_address)
@@ -100,7 +99,7 @@ class RolloutEngine:
             while pending:
                 pool = _Pool(self.cfg, self.setup, launcher, generation, stats)
                 try:
-                    pool.drive(pending, by_key, attempts, results, on_result)
+                    pool.drive(pending, attempts, results, on_result)
                 except _Restart as restart:
                     pool.kill()
                     stats.restarts += 1
@@ -166,7 +165,7 @@ class _Pool:
         self.stopped: set[str] = set()
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def drive(self, pending: deque[EpisodeJob], by_key: dict, attempts: dict, results: dict,
+    def drive(self, pending: deque[EpisodeJob], attempts: dict, results: dict,
               on_result: Callable[[EpisodeResult], None] | None) -> None:
         credit = 2 * self.cfg.envs_per_worker
         while pending or any(self.assigned.values()):

@@ -48,7 +48,7 @@ def run_server(settings: ServerSettings, requests: Any, replies: list[Any], even
 
 
 def _serve(settings: ServerSettings, runner: Any, requests: Any, replies: list[Any], events: Any) -> dict:
-    stats = {"inference_s": 0.0, "inference_calls": 0, "observations": 0, "max_batch": 0}
+    stats = {"inference_s": 0.0, "inference_calls": 0, "observations": 0}
     while True:
         try:
             first = requests.get(timeout=settings.heartbeat_s)
@@ -65,7 +65,6 @@ def _serve(settings: ServerSettings, runner: Any, requests: Any, replies: list[A
             part = [item for _, item in items[begin:begin + settings.max_batch_size]]
             chunks.extend(runner.predict(part))
             stats["inference_calls"] += 1
-            stats["max_batch"] = max(stats["max_batch"], len(part))
         stats["inference_s"] += time.perf_counter() - start
         stats["observations"] += len(items)
         answers: dict[tuple[int, int], list] = {}

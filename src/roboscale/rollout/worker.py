@@ -102,7 +102,7 @@ class _EnvWorker:
 
             self.local = PolicyRunner(settings.local_checkpoint, settings.device, settings.threads)
         self.stats = {"sim_s": 0.0, "render_s": 0.0, "env_steps": 0, "inference_s": 0.0, "inference_calls": 0,
-                      "observations": 0, "episodes": 0}
+                      "observations": 0}
         self.last_heartbeat = time.monotonic()
 
     # --- the loop ------------------------------------------------------------------------------------------
@@ -221,7 +221,6 @@ class _EnvWorker:
                                float(np.max(slot.rewards)), video, attempts=slot.attempt,
                                wall_s=time.perf_counter() - slot.started)
         self.events.put(("result", self.s.name, result.to_dict()))
-        self.stats["episodes"] += 1
         slot.job, slot.frames = None, []
 
     def _fail(self, slot: _Slot, exc: Exception) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from roboscale.configs.train import EvalDuringTrainingConfig
 from roboscale.train.checkpoint import point_best, step_directories, step_name
-from roboscale.utils.io import atomic_path, fsync_dir
+from roboscale.utils.io import append_json_line, atomic_path, fsync_dir, read_json_lines
 from roboscale.utils.stats import wilson_interval
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class EvaluationScheduler:
         self.report = report or (lambda step, metrics: None)
         self.path = self.output_dir / EVALS_FILE
         self.checkpoints = self.output_dir / "checkpoints"
-        self.records: dict[int, dict[str, Any]] = {r["step"]: r for r in read_evals(self.path)}
+        self.records: dict[int, dict[str, Any]] = {r["step"]: r for r in read_evals(self.path, repair=True)}
         self.running: _Evaluation | None = None
         self.queued: int | None = None
         self.best: tuple[int, float] | None = None  # (step, success_rate)
@@ -112,11 +112,10 @@ class EvaluationScheduler:
         """Continue a run from its checkpoint at ``step`` (0: a new run): forget the evaluations of later
         checkpoints, point ``best`` by the others, evaluate the newest due checkpoint that has no record; returns
         the evaluated steps."""
-        text = self.path.read_text(errors="replace") if self.path.exists() else ""
         later = [s for s in self.records if s > step]
         for s in later:
             del self.records[s]
-        if later or (text and not text.endswith("\n")):  # what a killed append left would glue onto the next line
+        if later:
             with atomic_path(self.path) as tmp:
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records.values()))
         self._point_best_by_records()
@@ -250,30 +249,14 @@ class EvaluationScheduler:
                       "wall_s": wall_s})
 
     def _append(self, record: dict[str, Any]) -> None:
-        """One ``write`` of the whole line: a kill leaves the file as it was or a torn last line readers skip."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_json_line(self.path, record)
         self.records[record["step"]] = record
 
 
-def read_evals(path: Path) -> list[dict[str, Any]]:
-    """The records of evals.jsonl, in file order; a line that is not a JSON record (a torn last write) is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
+def read_evals(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """The records of evals.jsonl, in file order; a line that is not a JSON record (a torn last write) is skipped
+    (``repair``: and cut off the file)."""
+    return [r for r in read_json_lines(path, repair)[0] if isinstance(r.get("step"), int)]
 
 
 def read_report(path: Path) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Atomic file and directory writes: write to a temporary name, fsync, rename.
 
 A reader (or a resumed run) therefore sees either the old complete file or the new complete one, never a torn
-write, even after ``kill -9``. Also what tells files apart: their identity (a replaced file) and content hashes.
+write, even after ``kill -9``. Logs that grow by records (``.jsonl``) are appended one whole line per ``write``,
+so a kill leaves at most a torn last line, which readers skip. Also what tells files apart: their identity (a
+replaced file) and content hashes.
 """
 
 from __future__ import annotations
@@ -74,6 +76,45 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any, indent: int = 4) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode())
+
+
+def append_json_line(path: str | Path, record: dict[str, Any]) -> None:
+    """Append ``record`` as one line, in one ``write``, and fsync: the line is there whole or (after a kill) torn at
+    the end of the file, never interleaved with another."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json_lines(path: str | Path, repair: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a ``.jsonl`` file (none if it is missing), and how many lines were not one (a line torn
+    by a kill, or being written right now, must not hide the rest). ``repair``: cut a torn last line off the file,
+    so that the next append starts on a line of its own (only for the file's own writer)."""
+    path = Path(path)
+    if not path.is_file():
+        return [], 0
+    data = path.read_bytes()
+    if repair and data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        with open(path, "r+b") as f:
+            f.truncate(len(data))
+            os.fsync(f.fileno())
+    records, bad = [], 0
+    for line in data.decode(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
 
 
 @contextmanager

@@ -110,17 +110,17 @@ def _small_disk(path: Path, size: str, mount: bool):
             subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-@pytest.mark.parametrize("disk_kind", ["tmpfs", "failing-write"])
+@pytest.mark.parametrize("disk_kind, save", [("tmpfs", "sync"), ("failing-write", "sync"), ("tmpfs", "async")])
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_a_rerun_recovers(tiny_dataset: Path,
                                                                                    tmp_path: Path, monkeypatch,
-                                                                                   disk_kind: str) -> None:
+                                                                                   disk_kind: str, save: str) -> None:
     from roboscale.train.checkpoint import step_directories
 
     disk = tmp_path / "disk"
     with _small_disk(disk, "5000k", mount=disk_kind == "tmpfs") as mounted:
         run = disk / "run"
         args = ["train", f"--dataset.root={tiny_dataset}", f"--output_dir={run}", "--steps=6", "--save_freq=1",
-                "--batch_size=4", "--checkpoint.keep_last=0", *TINY_PI05]
+                "--batch_size=4", "--checkpoint.keep_last=0", f"--checkpoint.async_save={save == 'async'}", *TINY_PI05]
         if not mounted:  # (or no privilege to mount): a save's write fails as on a full disk
             import safetensors.torch
 

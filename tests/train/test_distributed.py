@@ -107,9 +107,12 @@ def test_a_killed_two_rank_run_resumes_to_the_same_losses(runs, tiny_dataset: Pa
     assert _losses(resumed) == pytest.approx(_losses(runs["fsdp"][1]), rel=1e-4)
 
 
-def test_torchrun_restarts_a_run_whose_rank_died_and_it_resumes(runs, tiny_dataset: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_torchrun_restarts_a_run_whose_rank_died_and_it_resumes(runs, tiny_dataset: Path, tmp_path: Path,
+                                                                 save: str) -> None:
     out = tmp_path / "restarted"
-    command = _command(2, tiny_dataset, out, "--parallel.strategy=fsdp")
+    command = _command(2, tiny_dataset, out, "--parallel.strategy=fsdp", "--checkpoint.keep_last=0",
+                       f"--checkpoint.async_save={save == 'async'}")
     at = command.index("--nproc-per-node=2")
     command[at + 1:at + 3] = ["-m", "tests.train.crash_once"]  # rank 1 dies after its first checkpoint, once
     command.insert(at, "--max-restarts=1")
@@ -120,6 +123,17 @@ def test_torchrun_restarts_a_run_whose_rank_died_and_it_resumes(runs, tiny_datas
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _losses(rows) == pytest.approx(_losses(runs["fsdp"][1]), rel=1e-4)
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["000002", "000004", "000006", "last"]  # each committed once, no temporaries left
+
+
+def test_hsdp_shards_within_groups_and_replicates_across_them(runs, tiny_dataset: Path, tmp_path: Path) -> None:
+    # 4 ranks as 2 "nodes" of 2: parameters sharded within a pair, the pairs replicas of each other
+    rows = _train(4, tiny_dataset, tmp_path / "hsdp", "--parallel.strategy=hsdp", "--parallel.dp_shard=2")
+    assert _losses(rows) == pytest.approx(_losses(runs["single"][1]), rel=1e-4)
+    one, fsdp = runs["single"][1][-1]["memory/state_bytes"], runs["fsdp"][1][-1]["memory/state_bytes"]
+    assert rows[-1]["memory/state_bytes"] == pytest.approx(fsdp, rel=0.05)  # halves, as over 2 ranks
+    assert rows[-1]["memory/state_bytes"] <= 0.6 * one
 
 
 def test_a_stopped_rank_is_an_error_naming_it_not_a_hang(tiny_dataset: Path, tmp_path: Path) -> None:
@@ -163,6 +177,9 @@ def test_bf16_with_activation_checkpointing_trains_like_fp32(runs, tiny_dataset:
     assert _losses(rows) == pytest.approx(_losses(runs["fsdp"][1]), rel=0.05)
 
 
-def test_compiled_blocks_train_to_the_same_losses(runs, tiny_dataset: Path, tmp_path: Path) -> None:
-    rows = _train(1, tiny_dataset, tmp_path / "compiled", "--compile=true", "--activation_checkpointing=selective")
-    assert _losses(rows) == pytest.approx(_losses(runs["single"][1]), rel=1e-3)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_compiled_blocks_train_to_the_same_losses(runs, tiny_dataset: Path, tmp_path: Path, ranks: int) -> None:
+    # 2 ranks: compiled blocks inside FSDP2 units (compile is applied per block before sharding)
+    rows = _train(ranks, tiny_dataset, tmp_path / "compiled", "--compile=true", "--activation_checkpointing=selective")
+    reference = runs["single" if ranks == 1 else "fsdp"][1]
+    assert _losses(rows) == pytest.approx(_losses(reference), rel=1e-3)

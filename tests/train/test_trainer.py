@@ -67,6 +67,41 @@ def test_resume_continues_exactly(tiny_dataset, tmp_path, workers):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
+def test_background_checkpoint_writes_commit_the_same_state_and_resume_exactly(tiny_dataset, tmp_path):
+    import shutil
+
+    from roboscale.train.checkpoint import step_directories
+
+    def config(out, asynchronous, **kw):
+        cfg = tiny_train_config(tiny_dataset, out, steps=8, save_freq=2, **kw)
+        cfg.checkpoint.keep_last = 0
+        cfg.checkpoint.async_save = asynchronous
+        return cfg
+
+    straight = train(config(tmp_path / "sync", False), progress=False)
+    background = train(config(tmp_path / "async", True), progress=False)
+    checkpoints = tmp_path / "async" / "checkpoints"
+    assert background == (checkpoints / "000008" / "pretrained_model").resolve()
+    assert [p.name for p in step_directories(checkpoints)] == ["000002", "000004", "000006", "000008"]
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]  # no temporaries left
+    for step in ("000002", "000008"):  # the state as it was at the save, not as training changed it after
+        a = load_file(str(tmp_path / "sync" / "checkpoints" / step / "pretrained_model" / "model.safetensors"))
+        b = load_file(str(checkpoints / step / "pretrained_model" / "model.safetensors"))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    shutil.rmtree(checkpoints / "000006")  # a run killed after step 4's commit
+    shutil.rmtree(checkpoints / "000008")
+    (checkpoints / "last").unlink()
+    (checkpoints / "last").symlink_to("000004")
+    resumed = train(config(tmp_path / "async", True, resume=True), progress=False)
+    a = load_file(str(straight / "model.safetensors"))
+    b = load_file(str(resumed / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert all("checkpoint_s" in row for row in rows)
+
+
 def test_existing_output_dir_needs_resume_and_resume_needs_a_checkpoint(tiny_dataset, tmp_path):
     train(tiny_train_config(tiny_dataset, tmp_path / "run", steps=2), progress=False)
     with pytest.raises(ConfigError, match="already has checkpoints; pass --resume=true"):
@@ -370,3 +405,38 @@ def test_ema_weights_are_what_checkpoints_export_and_resume_continues_them(tiny_
     resumed = train(config(tmp_path / "b", save_freq=3, resume=True), progress=False)
     for name, value in load_file(str(resumed / "model.safetensors")).items():
         assert torch.equal(value, exported[name]), name
+
+
+def test_wandb_gets_the_logged_metrics_and_a_resumed_run_continues_its_wandb_run(tiny_dataset, tmp_path,
+                                                                                 monkeypatch):
+    import sys
+    import types
+
+    runs = []
+
+    class FakeRun:  # what the trainer uses of a wandb Run
+        def __init__(self, **kwargs):
+            self.init = kwargs
+            self.id = kwargs["id"] or f"run{len(runs)}"
+            self.logged, self.finished = [], False
+
+        def log(self, data, step=None):
+            self.logged.append((step, dict(data)))
+
+        def finish(self):
+            self.finished = True
+
+    def init(**kwargs):
+        runs.append(FakeRun(**kwargs))
+        return runs[-1]
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    out = tmp_path / "run"
+    train(tiny_train_config(tiny_dataset, out, steps=10, save_freq=5, wandb=True), progress=False)
+    first = runs[0]
+    assert first.init["dir"] == str(out) and first.init["id"] is None and first.init["config"]["steps"] == 10
+    assert [step for step, _ in first.logged] == [5, 10] and "loss" in first.logged[0][1] and first.finished
+    assert (out / "wandb_run_id").read_text() == "run0"
+    train(tiny_train_config(tiny_dataset, out, steps=15, save_freq=5, wandb=True, resume=True), progress=False)
+    assert runs[1].init["id"] == "run0" and runs[1].init["resume"] == "allow"
+    assert [step for step, _ in runs[1].logged] == [15]

@@ -37,6 +37,9 @@ class GenerateConfig:
     """Give up on an expert episode after this many steps (experts need 35-180)."""
     steps_after_success: int = 10
     """Keep recording this many steps after success so policies learn to hold the final state."""
+    max_attempts: int = 0
+    """Expert attempts per task before generation gives up on it (0: 4 x episodes_per_task + 10). The noise
+    makes experts fail: with the default noise the push expert succeeds in about one attempt in four."""
     seed: int = 0
     """Base seed: episode placements and noise derive from (seed, task, attempt)."""
     workers: int = 2

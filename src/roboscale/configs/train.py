@@ -61,6 +61,10 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep this many most recent checkpoints (0: all); `last`, `best` and checkpoints waiting for or under
     evaluation (--eval.every) are always kept."""
+    async_save: bool = False
+    """Write the sharded model and optimizer state in a background thread while training goes on (DCP's
+    async_save): a save blocks only for a copy of this rank's state into host memory (which it costs, once more),
+    and the checkpoint becomes `last` a few steps later, when every rank's write has finished."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 0:

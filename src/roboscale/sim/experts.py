@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from roboscale.configs.data import GenerateConfig
+from roboscale.errors import RoboscaleError
 from roboscale.sim.metaworld import ACTION_DIM, FPS, STATE_DIM, MetaWorldEnv, RenderConfig, resolve_tasks
 
 # MetaWorld's scripted experts are proportional controllers with gains above 1 and warn, on every step that
@@ -121,10 +122,12 @@ def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:
     render = RenderConfig(cfg.image_size, cfg.image_size, dict(cfg.cameras))
     kept = 0
     attempt = 0
+    max_attempts = cfg.max_attempts or 4 * cfg.episodes_per_task + 10
     with MetaWorldEnv(task, render, max_episode_steps=cfg.max_episode_steps) as env:
         while kept < cfg.episodes_per_task:
-            if attempt >= 4 * cfg.episodes_per_task + 10:
-                queue.put(("error", task, f"expert succeeded only {kept} times in {attempt} attempts"))
+            if attempt >= max_attempts:
+                queue.put(("error", task, f"the expert succeeded only {kept} times in {attempt} attempts at "
+                                          f"action_noise={cfg.action_noise}; lower the noise or raise max_attempts"))
                 return
             episode = run_expert_episode(
                 env,
@@ -166,7 +169,7 @@ def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None
                 running.pop(task).join()
                 yield task, None
             else:
-                raise RuntimeError(f"demonstrations for {task}: {payload}")
+                raise RoboscaleError(f"demonstrations for {task}: {payload}")
     finally:
         for proc in running.values():
             proc.terminate()

@@ -14,7 +14,9 @@ once per save, so evaluation and export never need the ranks that wrote it. The 
 
 Rank 0 assembles a step directory under a temporary name, every rank writes its part into it, and only when all
 of them succeeded is it renamed into place and ``last`` switched with an atomic symlink replace; a run killed at
-any moment leaves the previous checkpoint intact and ``last`` pointing at a complete one. Weights, optimizer and
+any moment leaves the previous checkpoint intact and ``last`` pointing at a complete one. With
+``--checkpoint.async_save`` the sharded part is written by a background thread while training goes on, and the
+same commit happens a few steps later, when every rank's write has finished (``CheckpointWriter``). Weights, optimizer and
 state are safetensors, JSON or DCP: DCP keeps its own metadata as a pickle, which only a resume of this run's own
 output directory reads (``eval`` and ``export`` read the safetensors).
 
@@ -28,6 +30,7 @@ renamed away before it is deleted, so a kill mid-delete never leaves half a chec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from roboscale.config import to_dict
 from roboscale.errors import CheckpointError
@@ -64,43 +68,172 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
 
 
-def save_checkpoint(output_dir: Path, step: int, *, policy, sharded_state: dict[str, Any],
-                    full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
-                    train_config: Any, env) -> Path:
-    """Write ``checkpoints/<step>`` on every rank (a collective), then point ``last`` at it.
+class CheckpointWriter:
+    """Writes ``checkpoints/<step>`` (a collective: every rank calls every method, in the same order).
 
-    ``sharded_state``: this rank's ``{"model": ..., "optimizer": ...}`` (DCP). ``full_model_state``: the gathered
-    weights for ``pretrained_model`` (rank 0; None elsewhere). ``training_state``: ``trainer`` (JSON), ``loader``
-    (JSON, rank 0's), ``rng`` (this rank's torch RNG state)."""
-    checkpoints = Path(output_dir) / "checkpoints"
-    target = checkpoints / step_name(step)
-    try:
+    ``save`` assembles the step directory under a temporary name; the checkpoint is committed (renamed into place,
+    ``last`` switched) once every rank's part is on disk. Synchronous saves commit before ``save`` returns. With
+    ``asynchronous`` (``--checkpoint.async_save``) ``save`` returns as soon as the sharded state is copied
+    (DCP's staging: the copy costs host memory the size of this rank's model and optimizer state) and a thread
+    writes it while training goes on; ``poll`` commits it at the first step at which every rank's write has
+    finished, ``wait`` blocks for it. One save is in flight at most: the next ``save`` waits for the last. The
+    consolidated ``pretrained_model`` is gathered inside ``save`` (a collective) and rank 0 writes a copy of it
+    from a thread of its own. A run killed before the commit leaves the previous checkpoint as ``last``."""
+
+    def __init__(self, output_dir: Path, env, *, asynchronous: bool = False, timeout_s: float = 1800.0):
+        self.checkpoints = Path(output_dir) / "checkpoints"
+        self.env = env
+        self.asynchronous = asynchronous
+        self._pending: _PendingSave | None = None
+        self._group = None
+        self._consolidated = None  # rank 0's writer thread for pretrained_model
+        if asynchronous and env.is_main:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._consolidated = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pretrained-writer")
+        if asynchronous and env.distributed:
+            import datetime
+
+            import torch.distributed as dist
+
+            # the writer thread's collectives get a group of their own: on the training's group they would
+            # interleave with the gradient reductions in a different order on each rank
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def pending(self) -> int | None:
+        """The step whose checkpoint is being written in the background, if any."""
+        return int(self._pending.target.name) if self._pending is not None else None
+
+    def save(self, step: int, *, policy, sharded_state: dict[str, Any],
+             full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
+             train_config: Any) -> Path | None:
+        """Start writing ``checkpoints/<step>``; returns the step directory committed during the call (this one
+        when synchronous, the previous background save when it had to be waited for), or None.
+
+        ``sharded_state``: this rank's ``{"model": ..., "optimizer": ...}`` (DCP). ``full_model_state``: the
+        gathered weights for ``pretrained_model`` (rank 0; None elsewhere). ``training_state``: ``trainer``
+        (JSON), ``loader`` (JSON, rank 0's), ``rng`` (this rank's torch RNG state)."""
+        committed = self.wait()
+        env = self.env
+        target = self.checkpoints / step_name(step)
+        commit = contextlib.ExitStack()
+        state_dir, failed = None, None
+        tmp = None
         if env.is_main:
-            with atomic_directory(target, overwrite=True) as tmp:
-                _write_shards(_share(tmp, env), sharded_state, training_state, env)
-                pretrained = tmp / PRETRAINED
-                policy.save_pretrained(pretrained, state_dict=full_model_state)
-                (pretrained / TRAIN_CONFIG).write_text(json.dumps(to_dict(train_config), indent=4))
+            try:
+                tmp = commit.enter_context(atomic_directory(target, overwrite=True))
+            except OSError as exc:
+                failed = exc
+        tmp = _share(tmp, env)  # None everywhere when rank 0 could not create it
+        writes = []
+        try:
+            if tmp is not None:
                 state_dir = tmp / TRAINING_STATE
+                writes.append(self._write_shards(state_dir, sharded_state))
+                save_file({"torch": training_state["rng"]}, str(state_dir / rng_file(env.rank)))
+            if env.is_main and failed is None:
                 (state_dir / TRAINER_STATE).write_text(json.dumps(training_state["trainer"], indent=4))
                 (state_dir / LOADER_STATE).write_text(json.dumps(training_state["loader"], indent=4))
-            _point_last(checkpoints, target.name)
-        else:
-            _write_shards(_share(None, env), sharded_state, training_state, env)
-    except (OSError, SafetensorError, _PeerFailed) as exc:  # a full disk, a quota, a vanished mount
-        previous = last_checkpoint(output_dir)
+                config = json.dumps(to_dict(train_config), indent=4)
+                if self._consolidated is None:
+                    _write_pretrained(tmp / PRETRAINED, policy, full_model_state, config)
+                else:  # a copy: training goes on changing the tensors the gathered state may share
+                    full = {k: v.detach().clone() for k, v in full_model_state.items()}
+                    writes.append(self._consolidated.submit(_write_pretrained, tmp / PRETRAINED, policy, full, config))
+        except (OSError, SafetensorError, RuntimeError) as exc:  # a full disk, a quota, a vanished mount
+            failed = exc
+        except CheckpointException as exc:  # DCP's, from a synchronous save
+            failed = _dcp_os_error(exc, state_dir)
+        self._pending = _PendingSave(target, state_dir, commit, [w for w in writes if w is not None])
+        self._check(failed)
+        if not self.asynchronous:
+            return self.wait() or committed
+        return committed
+
+    def poll(self) -> Path | None:
+        """Commit the background save if every rank's write has finished; returns the committed directory."""
+        if self._pending is None:
+            return None
+        done = all(write.done() for write in self._pending.writes)
+        if self.env.distributed:  # every rank commits, or raises, at the same step
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if done else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = flag.item() > 0
+        return self.wait() if done else None
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is written, then commit it; returns the committed directory."""
+        pending = self._pending
+        if pending is None:
+            return None
+        failed = None
+        try:
+            for write in pending.writes:
+                write.result()
+        except (OSError, SafetensorError, RuntimeError) as exc:
+            failed = exc
+        except CheckpointException as exc:
+            failed = _dcp_os_error(exc, pending.state_dir)
+        self._check(failed)
+        self._pending = None
+        if self.env.is_main:
+            pending.commit.close()  # renames the step directory into place
+            _point_last(self.checkpoints, pending.target.name)
+        self.env.barrier()  # nobody prunes or resumes before the new checkpoint is committed
+        return pending.target
+
+    def _write_shards(self, state_dir: Path, sharded_state: dict[str, Any]):
+        """This rank's DCP shards into ``state_dir``: now, or (asynchronous) staged now and written by a thread,
+        whose future is returned."""
+        import torch.distributed.checkpoint as dcp
+
+        state_dir.mkdir(exist_ok=True)
+        where = str(state_dir / SHARDED)
+        no_dist = not self.env.distributed
+        with _quiet_dcp():
+            if self.asynchronous:
+                return dcp.async_save(sharded_state, checkpoint_id=where, process_group=self._group,
+                                      no_dist=no_dist)
+            dcp.save(sharded_state, checkpoint_id=where, no_dist=no_dist)
+        return None
+
+    def _check(self, failed: BaseException | None) -> None:
+        """Raise on every rank if any rank failed to write its part (the main rank's error names why)."""
+        peer_failed = self.env.another_rank_failed(failed is not None)
+        if failed is None and not peer_failed:
+            return
+        pending, self._pending = self._pending, None
+        reason = _os_reason(failed) if failed is not None else "another rank could not write its shards"
+        if pending is not None and self.env.is_main:  # the temporary goes; the previous checkpoint stays
+            abort = failed or OSError(reason)
+            pending.commit.__exit__(type(abort), abort, None)
+        self.env.barrier()
+        previous = last_checkpoint(self.checkpoints.parent)
         kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(target, f"cannot write the checkpoint ({_os_reason(exc)}); {kept}") from None
-    finally:
-        env.barrier()  # nobody prunes or resumes before the new checkpoint is committed
-    return target
+        target = pending.target if pending is not None else self.checkpoints
+        raise CheckpointError(target, f"cannot write the checkpoint ({reason}); {kept}")
 
 
-class _PeerFailed(Exception):
-    """Another rank could not write its part (its own error names why)."""
+def _write_pretrained(directory: Path, policy, state: dict[str, torch.Tensor], train_config: str) -> None:
+    policy.save_pretrained(directory, state_dict=state)
+    (directory / TRAIN_CONFIG).write_text(train_config)
 
 
-def _share(tmp: Path | None, env) -> Path:
+@dataclasses.dataclass
+class _PendingSave:
+    target: Path
+    state_dir: Path | None
+    """Its ``training_state`` under the temporary name."""
+    commit: contextlib.ExitStack
+    """Holds the temporary step directory (rank 0); closing it renames the directory into place."""
+    writes: list[Any]
+    """The background writes' futures (DCP's, and rank 0's consolidated weights); empty when synchronous."""
+
+
+def _share(tmp: Path | None, env) -> Path | None:
     """Rank 0's temporary directory, told to every rank."""
     if not env.distributed:
         return tmp
@@ -108,33 +241,16 @@ def _share(tmp: Path | None, env) -> Path:
 
     box = [str(tmp) if tmp is not None else None]
     dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    return Path(box[0]) if box[0] is not None else None
 
 
-def _write_shards(tmp: Path, sharded_state: dict[str, Any], training_state: dict[str, Any],
-                  env) -> None:
-    """Every rank: its DCP shards and RNG state into ``tmp``; fails on every rank if any rank failed."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    state_dir = tmp / TRAINING_STATE
-    failed = None
-    try:
-        state_dir.mkdir(exist_ok=True)
-        with _quiet_dcp():
-            dcp.save(sharded_state, checkpoint_id=str(state_dir / SHARDED), no_dist=not env.distributed)
-        save_file({"torch": training_state["rng"]}, str(state_dir / rng_file(env.rank)))
-    except (OSError, SafetensorError, RuntimeError) as exc:
-        failed = exc
-    except CheckpointException as exc:  # DCP's (a BaseException): the rank's own error is inside, as text
-        reason = _dcp_reason(exc)
-        code = re.search(r"\[Errno (\d+)\]", reason)
-        failed = OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else \
-            _write_probe(state_dir) or OSError(reason)
-    if env.another_rank_failed(failed is not None):
-        raise _PeerFailed("another rank could not write its shards")
-    if failed is not None:
-        raise failed
+def _dcp_os_error(exc: BaseException, directory: Path | None) -> OSError:
+    """DCP's CheckpointException (a BaseException carrying each rank's error as text) as the OSError inside it."""
+    reason = _dcp_reason(exc)
+    code = re.search(r"\[Errno (\d+)\]", reason)
+    if code:
+        return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+    return (_write_probe(directory) if directory is not None else None) or OSError(reason)
 
 
 def _os_reason(exc: Exception) -> str:
@@ -239,8 +355,6 @@ def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env) ->
     sharded = state_dir / SHARDED
     if not (sharded / ".metadata").is_file():
         raise CheckpointError(sharded / ".metadata", "missing")
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         with _quiet_dcp():
             dcp.load(sharded_state, checkpoint_id=str(sharded), no_dist=not env.distributed)

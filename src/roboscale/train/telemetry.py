@@ -67,6 +67,7 @@ class Telemetry:
         self._last: dict[str, Any] = {}
         self._count = 0
         self._wait = 0.0
+        self._checkpoint_wait = 0.0
         self._window_start = time.perf_counter()
 
     @contextmanager
@@ -74,6 +75,13 @@ class Telemetry:
         start = time.perf_counter()
         yield
         self._wait += time.perf_counter() - start
+
+    @contextmanager
+    def checkpoint_blocking(self):
+        """Time training stood still for a checkpoint save (with --checkpoint.async_save: only the staging copy)."""
+        start = time.perf_counter()
+        yield
+        self._checkpoint_wait += time.perf_counter() - start
 
     def step(self, step: int, metrics: dict[str, Any], log_now: bool) -> dict[str, float] | None:
         """Accumulate one step; on ``log_now`` return the window's summary (on every rank) and start a new one."""
@@ -103,9 +111,11 @@ class Telemetry:
                 flops *= min(1.0, counts["tokens"] / (self._count * self.batch_size) / nominal)
             summary["mfu"] = flops * summary["samples_per_s"] / (self.peak[0] * self.ranks)
         summary["data_wait"] = self._wait / elapsed
+        summary["checkpoint_s"] = self._checkpoint_wait
         self._sums.clear()
         self._count = 0
         self._wait = 0.0
+        self._checkpoint_wait = 0.0
         self._window_start = time.perf_counter()
         return summary
 
@@ -166,8 +176,14 @@ class Telemetry:
             self.wandb.finish()
 
 
+WANDB_RUN_ID = "wandb_run_id"
+"""Beside metrics.jsonl: the W&B run a resumed training continues."""
+
+
 def _start_wandb(config: Any, output_dir: Path):
-    """A W&B run when the package is installed; otherwise say so once and go on without it."""
+    """A W&B run when the package is installed; otherwise say so once and go on without it. A resumed training
+    continues the W&B run its output directory started (W&B keeps the first logging of any step a killed run
+    repeats, as it refuses steps older than its last; metrics.jsonl and TensorBoard hold the resumed run's)."""
     try:
         import wandb
     except ImportError:
@@ -175,5 +191,12 @@ def _start_wandb(config: Any, output_dir: Path):
                     "metrics.jsonl only")
         return None
     from roboscale.config import to_dict
+    from roboscale.utils.io import atomic_write_bytes
 
-    return wandb.init(dir=str(output_dir), config=to_dict(config) if config is not None else None)
+    id_file = output_dir / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() else None
+    run = wandb.init(dir=str(output_dir), id=run_id, resume="allow" if run_id else None,
+                     config=to_dict(config) if config is not None else None)
+    if run_id is None:
+        atomic_write_bytes(id_file, run.id.encode())
+    return run

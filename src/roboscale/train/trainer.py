@@ -79,6 +79,7 @@ class Trainer:
         self._after_step: Callable[[], None] | None = None
         self.eval_command = eval_command
         self.evaluations: Any = None  # rank 0's EvaluationScheduler, with --eval.every
+        self.checkpoints: Any = None  # a CheckpointWriter
 
     def fit(self) -> Path:
         self.env = init_distributed(self.cfg.parallel.timeout_s, self.cfg.num_threads)
@@ -115,6 +116,10 @@ class Trainer:
                     log.info("removed %s, left by a run that was killed while saving", stale)
             self.build()
             self.parallelize()
+            from roboscale.train.checkpoint import CheckpointWriter
+
+            self.checkpoints = CheckpointWriter(self.output_dir, self.env, asynchronous=cfg.checkpoint.async_save,
+                                                timeout_s=cfg.parallel.timeout_s)
             try:
                 self.restore()
                 return self.loop()
@@ -426,6 +431,10 @@ class Trainer:
                 final = self.checkpoint() or final
                 if self.evaluations is not None:
                     self.evaluations.poll()  # never waits: a finished evaluation is recorded, the queued one starts
+        last_write = self.checkpoints.wait()  # the final checkpoint's background write
+        if last_write is not None:
+            self.committed(last_write)
+            final = last_write
         if final is None:  # resumed at the last step: nothing left to train
             final = last_checkpoint(self.output_dir)
         if self.evaluations is not None:  # the final checkpoint's evaluation too, so that `best` is final
@@ -455,35 +464,44 @@ class Trainer:
         bar.set_postfix(**shown, wait=f"{100 * summary['data_wait']:.0f}%")
 
     def checkpoint(self) -> Path | None:
+        """Save this step's checkpoint when one is due; returns the checkpoint committed during the call (with
+        --checkpoint.async_save, an earlier step's whose background write has just finished), or None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from roboscale.train.checkpoint import prune_checkpoints, save_checkpoint
-
         cfg = self.cfg
-        due = self.evaluation_due()
-        if self.step % cfg.save_freq and self.step != cfg.steps and not due:
-            return None
-        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.ema:  # the averaged weights are the ones worth evaluating
-            full.update({name: gather_full(value) for name, value in self.ema.items()})
-        saved = save_checkpoint(
-            self.output_dir, self.step, policy=self.policy, sharded_state=self.sharded_state(),
-            full_model_state=full if self.env.is_main else None,
-            training_state={"trainer": self.trainer_state(), "loader": self.loader.state_dict(),
-                            "rng": torch.get_rng_state()},
-            train_config=cfg, env=self.env)
-        if self.env.is_main:
-            if due and self.evaluations is not None:
-                self.evaluations.submit(self.step)
-            keep = self.evaluations.pending() if self.evaluations is not None else []
-            prune_checkpoints(self.output_dir, cfg.checkpoint.keep_last, keep=keep)
-        return saved
+        committed = self.checkpoints.poll()
+        if self.step % cfg.save_freq == 0 or self.step == cfg.steps or self.evaluation_due(self.step):
+            full = get_model_state_dict(self.policy,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.ema:  # the averaged weights are the ones worth evaluating
+                full.update({name: gather_full(value) for name, value in self.ema.items()})
+            with self.telemetry.checkpoint_blocking():
+                committed = self.checkpoints.save(
+                    self.step, policy=self.policy, sharded_state=self.sharded_state(),
+                    full_model_state=full if self.env.is_main else None,
+                    training_state={"trainer": self.trainer_state(), "loader": self.loader.state_dict(),
+                                    "rng": torch.get_rng_state()},
+                    train_config=cfg) or committed
+        if committed is not None:
+            self.committed(committed)
+        return committed
 
-    def evaluation_due(self) -> bool:
-        """--eval.every: this step's checkpoint is evaluated (every ``every`` steps, and the last one). A checkpoint
-        is saved at these steps whatever --save_freq says, so ``every`` need not be a multiple of it."""
+    def committed(self, step_dir: Path) -> None:
+        """A checkpoint became ``last``: queue its evaluation if due, then apply retention (rank 0)."""
+        from roboscale.train.checkpoint import prune_checkpoints
+
+        if not self.env.is_main:
+            return
+        if self.evaluations is not None and self.evaluation_due(int(step_dir.name)):
+            self.evaluations.submit(int(step_dir.name))
+        keep = self.evaluations.pending() if self.evaluations is not None else []
+        prune_checkpoints(self.output_dir, self.cfg.checkpoint.keep_last, keep=keep)
+
+    def evaluation_due(self, step: int) -> bool:
+        """--eval.every: the checkpoint of ``step`` is evaluated (every ``every`` steps, and the last one). A
+        checkpoint is saved at these steps whatever --save_freq says, so ``every`` need not be a multiple of it."""
         every = self.cfg.eval.every
-        return bool(every) and (self.step % every == 0 or self.step == self.cfg.steps)
+        return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
 
 def check_parallel_options(cfg: TrainConfig, plan: Any) -> None:

@@ -57,7 +57,8 @@ def main() -> None:
             print(f"round {repeat + 1} {variant}: {rows[-1]}", flush=True)
     median = {v: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for v, rows in results.items()}
     sync, background = median["sync"], median["async"]
-    print(f"\npi0.5 demo size {' '.join(args.train_options)}, {args.ranks} rank(s), {args.steps} steps, a save "
+    options = "".join(f" {option}" for option in args.train_options)
+    print(f"\npi0.5 demo size{options}, {args.ranks} rank(s), {args.steps} steps, a save "
           f"every {args.save_freq} ({sync['checkpoint_mb']:.0f} MB per checkpoint), median of {args.repeats} rounds")
     print("| saves | training blocked per save | wall time of all steps |")
     print("|---|---:|---:|")

@@ -100,11 +100,6 @@ class CheckpointWriter:
             # interleave with the gradient reductions in a different order on each rank
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
-    @property
-    def pending(self) -> int | None:
-        """The step whose checkpoint is being written in the background, if any."""
-        return int(self._pending.target.name) if self._pending is not None else None
-
     def save(self, step: int, *, policy, sharded_state: dict[str, Any],
              full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
              train_config: Any) -> Path | None:

@@ -138,6 +138,34 @@ def test_bad_input_is_one_clear_error(checkpoint, tmp_path):
         evaluate(EvalConfig(checkpoint=str(checkpoint), env="gazebo"), progress=False)
 
 
+def test_a_policy_reading_the_environment_state_gets_it_in_evaluation(tmp_path):
+    """A policy trained on observation.environment_state (MetaWorld's 39-d observation, goal included) is given
+    that vector by the env, not the 4-d proprioception; an env without it is a one-line error."""
+    from roboscale.models.registry import build_policy
+    from roboscale.sim.metaworld import FULL_STATE_DIM
+    from tests.models.helpers import fake_meta, tiny_config
+
+    meta = fake_meta(state_dim=FULL_STATE_DIM)
+    meta.stats["observation.environment_state"] = meta.stats.pop("observation.state")
+    meta.features["observation.environment_state"] = meta.features.pop("observation.state")
+    policy = build_policy(tiny_config(state_key="observation.environment_state"), meta)
+    assert policy.config.state_dim == FULL_STATE_DIM
+    policy.save_pretrained(tmp_path / "ckpt" / "pretrained_model")
+    summary = evaluate(EvalConfig(checkpoint=str(tmp_path / "ckpt"), tasks=["reach"], episodes=2, max_steps=6,
+                                  videos_per_task=0, output_dir=str(tmp_path / "eval")), progress=False)
+    assert summary["timing"]["env_steps"] == 12
+    protocol = json.loads((tmp_path / "eval" / "report.json").read_text())["protocol"]
+    assert protocol["state_feature"] == "observation.environment_state"
+    with MetaWorldEnv("reach", RenderConfig(16, 16, {}), state_feature="observation.environment_state") as env:
+        observation = env.reset(3)
+        np.testing.assert_array_equal(observation["state"], observation["full_state"].astype(np.float32))
+    with pytest.raises(ConfigError, match="state feature 'observation.environment_state'.*fake-point"):
+        evaluate(EvalConfig(checkpoint=str(tmp_path / "ckpt"), env=FAKE, tasks=["reach"],
+                            output_dir=str(tmp_path / "e")), progress=False)
+    with pytest.raises(ConfigError, match="state feature 'observation.joints' is not one MetaWorld gives"):
+        MetaWorldEnv("reach", RenderConfig(16, 16, {}), state_feature="observation.joints")
+
+
 def test_the_pairs_suite_holds_the_instruction_only_pairs():
     from roboscale.sim.metaworld import INSTRUCTION_PAIRS, resolve_tasks
 

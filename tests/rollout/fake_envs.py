@@ -24,7 +24,8 @@ TASKS = {"reach": "Reach the goal", "reach-far": "Reach the far goal", "crash-on
 
 
 class PointEnv:
-    def __init__(self, task: str, image_size: int = 32, cameras: dict | None = None, max_steps: int = 30):
+    def __init__(self, task: str, image_size: int = 32, cameras: dict | None = None, max_steps: int = 30,
+                 state_feature: str = "observation.state"):
         self.task = task
         self.instruction = TASKS[task]
         self.camera_names = list(cameras or {})

@@ -65,7 +65,11 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     names = [k.removeprefix("observation.images.") for k in policy_cfg.image_keys]
     cameras = spec.sim_cameras(dict.fromkeys([*names, cfg.video_camera]))
     image_size = int(getattr(policy_cfg, "image_size", 64))
-    env_options = {"image_size": image_size, "cameras": cameras, "max_steps": cfg.max_steps}
+    if policy_cfg.state_key not in spec.state_features:
+        raise ConfigError(f"{checkpoint}: the policy reads the state feature {policy_cfg.state_key!r}, which the "
+                          f"{spec.name} environment does not give (it gives {list(spec.state_features)})")
+    env_options = {"image_size": image_size, "cameras": cameras, "max_steps": cfg.max_steps,
+                   "state_feature": policy_cfg.state_key}
     _check_cameras(spec, tasks[0], env_options, checkpoint)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +77,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     protocol = {
         "env": spec.name, "tasks": tasks, "episodes_per_task": cfg.episodes, "seed": cfg.seed,
         "placement": PLACEMENT, "max_steps": cfg.max_steps, "success_rule": SUCCESS_RULE, "cameras": cameras,
-        "image_size": image_size, "video_camera": cfg.video_camera, "n_action_steps": policy_cfg.n_action_steps,
+        "state_feature": policy_cfg.state_key, "image_size": image_size, "video_camera": cfg.video_camera,
+        "n_action_steps": policy_cfg.n_action_steps,
         "chunk_size": policy_cfg.chunk_size, "num_inference_steps": policy_cfg.num_inference_steps, "noise": NOISE,
         "instructions": {task: instructions.get(task) or spec.instruction(task) for task in tasks},
         "videos_per_task": cfg.videos_per_task,

@@ -52,6 +52,7 @@ class PolicyRunner:
         self.policy = Policy.from_pretrained(checkpoint).to(self.device).eval()
         config = self.policy.config
         self.image_keys: list[str] = list(config.image_keys)
+        self.state_key: str = config.state_key
         self.noise_shape = (config.chunk_size, config.action_dim)
 
     def batch(self, items: list[PredictItem]) -> dict[str, Any]:
@@ -59,7 +60,7 @@ class PolicyRunner:
         import torch
 
         batch: dict[str, Any] = {
-            "observation.state": torch.from_numpy(np.stack([item.state for item in items])),
+            self.state_key: torch.from_numpy(np.stack([item.state for item in items])),
             "task": [item.instruction for item in items],
         }
         for key in self.image_keys:

@@ -49,10 +49,13 @@ class Env(Protocol):
 class EnvSpec:
     name: str
     make: Callable[..., Env]
-    """``make(task, image_size=..., cameras={name: sim camera}, max_steps=...) -> Env``."""
+    """``make(task, image_size=..., cameras={name: sim camera}, max_steps=..., state_feature=...) -> Env``; the
+    observation's ``state`` is the dataset feature ``state_feature`` names (one of ``state_features``)."""
     resolve_tasks: Callable[[Sequence[str]], list[str]]
     """Task and suite names as a user writes them -> the env's task names (a ConfigError for unknown ones)."""
     instruction: Callable[[str], str]
+    state_features: tuple[str, ...] = ("observation.state",)
+    """The state features (dataset feature names) the env can give a policy as its observation's ``state``."""
     camera_aliases: dict[str, str] = field(default_factory=dict)
     """Dataset camera names -> the simulator's camera names, where they differ."""
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.errors import RoboscaleError
-from roboscale.sim.metaworld import ACTION_DIM, FPS, STATE_DIM, MetaWorldEnv, RenderConfig, resolve_tasks
+from roboscale.sim.metaworld import (ACTION_DIM, FPS, FULL_STATE_DIM, STATE_DIM, MetaWorldEnv, RenderConfig,
+                                     resolve_tasks)
 
 # MetaWorld's scripted experts are proportional controllers with gains above 1 and warn, on every step that
 # saturates, that the environment clips their action to [-1, 1]. The clipping is what they are written for, and a
@@ -29,8 +30,6 @@ from roboscale.sim.metaworld import ACTION_DIM, FPS, STATE_DIM, MetaWorldEnv, Re
 warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning)
 
 log = logging.getLogger(__name__)
-
-FULL_STATE_DIM = 39
 
 
 def dataset_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict]:

@@ -102,6 +102,12 @@ FLIPPED_CAMERAS = {"corner", "corner2"}  # these come out upside-down from MuJoC
 CAMERA_ALIASES = {"corner2": "corner2", "wrist": "gripperPOV"}
 
 STATE_DIM = 4  # hand xyz + gripper opening
+FULL_STATE_DIM = 39  # MetaWorld's observation: hand, gripper, two object poses, the same a step before, the goal
+# The state features a policy may read, as dataset feature names, and which part of the 39-d observation each is.
+# observation.state is proprioception only; observation.environment_state is the whole observation MetaWorld's
+# MT benchmarks give, goal included (the goal is a 1-2 px sphere at 64², so image-only policies cannot see it).
+STATE_FEATURES = {"observation.state": slice(0, STATE_DIM),
+                  "observation.environment_state": slice(0, FULL_STATE_DIM)}
 ACTION_DIM = 4  # mocap delta xyz + gripper effort
 FPS = 80  # MetaWorld control rate: frame_skip 5 x timestep 0.0025 s
 
@@ -142,14 +148,20 @@ class MetaWorldEnv:
     """One MetaWorld task with cheap rendering and per-episode seeding.
 
     ``reset(seed)`` places objects and goal from ``seed`` alone. ``step`` returns the gymnasium 5-tuple; the
-    observation is a dict with the 39-d ``full_state`` (what the scripted experts need), ``state`` (hand xyz +
-    gripper, what policies see) and ``images`` (``{feature_name: HxWx3 uint8}``).
+    observation is a dict with the 39-d ``full_state`` (what the scripted experts need), ``state`` (what policies
+    see: the part of it ``state_feature`` names in ``STATE_FEATURES``) and ``images`` (``{feature_name: HxWx3
+    uint8}``).
     """
 
-    def __init__(self, task: str, render: RenderConfig | None = None, max_episode_steps: int = 500):
+    def __init__(self, task: str, render: RenderConfig | None = None, max_episode_steps: int = 500,
+                 state_feature: str = "observation.state"):
         import mujoco
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
+        if state_feature not in STATE_FEATURES:
+            raise ConfigError(f"state feature {state_feature!r} is not one MetaWorld gives; "
+                              f"use one of {sorted(STATE_FEATURES)}")
+        self._state_slice = STATE_FEATURES[state_feature]
         self.task = resolve_tasks([task])[0]
         self.instruction = task_description(self.task)
         self.render_config = render or RenderConfig()
@@ -176,7 +188,7 @@ class MetaWorldEnv:
     def _observation(self, full_state: np.ndarray, render: bool = True) -> dict:
         return {
             "full_state": full_state.astype(np.float64),
-            "state": full_state[:STATE_DIM].astype(np.float32),
+            "state": full_state[self._state_slice].astype(np.float32),
             "images": self.render() if render else {},
         }
 
@@ -232,9 +244,10 @@ class MetaWorldEnv:
 
 
 def make_env(task: str, *, image_size: int = 64, cameras: dict[str, str] | None = None,
-             max_steps: int = 500) -> MetaWorldEnv:
+             max_steps: int = 500, state_feature: str = "observation.state") -> MetaWorldEnv:
     render = RenderConfig(image_size, image_size, dict(cameras) if cameras is not None else {})
-    return MetaWorldEnv(task, render, max_episode_steps=max_steps)
+    return MetaWorldEnv(task, render, max_episode_steps=max_steps, state_feature=state_feature)
 
 
-ENV_SPEC = EnvSpec("metaworld", make_env, resolve_tasks, task_description, camera_aliases=CAMERA_ALIASES)
+ENV_SPEC = EnvSpec("metaworld", make_env, resolve_tasks, task_description, camera_aliases=CAMERA_ALIASES,
+                   state_features=tuple(STATE_FEATURES))

@@ -339,3 +339,41 @@ def test_fp8_filter_takes_the_large_linear_layers_of_the_blocks_only():
     in_units = sum(m.weight.numel() for unit in policy.parallel_units() for m in unit.modules()
                    if isinstance(m, torch.nn.Linear))
     assert sum(modules[name].weight.numel() for name in chosen) > 0.95 * in_units
+
+
+def test_dropout_masks_belong_to_the_sample_so_splitting_a_batch_changes_nothing():
+    """With the loader's per-sample seeds, GR00T's dropout (0.2 in the full preset) draws each sample's masks from
+    its seed: the halves of a batch (what 2 ranks train) give the whole batch's loss and gradients, a packed and
+    a padded batch agree, and an activation-checkpointed recompute redraws the same masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    policy = tiny_groot(dropout=0.3)
+    obs = batch(b=4, tasks=MIXED_TASKS)
+    obs["sample_seed"] = torch.tensor([11, 12, 13, 14])
+    whole, grads = _loss_and_grads(policy, obs, seed=0)
+    # the global RNG is not read (nn.Dropout would draw other masks after another manual_seed)
+    torch.testing.assert_close(_loss_and_grads(policy, obs, seed=1)[0], whole, rtol=0, atol=0)
+    halves = [{k: v[i:i + 2] for k, v in obs.items()} for i in (0, 2)]
+    policy.zero_grad(set_to_none=True)
+    total = sum(flow_matching_loss(policy, half)[0] for half in halves) / 2  # equal weights: no padded steps
+    total.backward()
+    torch.testing.assert_close(total.detach(), whole, rtol=1e-6, atol=1e-7)
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the masks really drop: other seeds, another loss; no dropout, another loss
+    other = dict(obs, sample_seed=torch.tensor([21, 22, 23, 24]))
+    assert not torch.allclose(_loss_and_grads(policy, other)[0], whole)
+    policy.config.packed = not policy.config.packed
+    torch.testing.assert_close(_loss_and_grads(policy, obs)[0], whole, rtol=1e-6, atol=1e-7)
+    policy.config.packed = not policy.config.packed
+
+    def checkpointed(forward):
+        return lambda *args: checkpoint(forward, *args, use_reentrant=False)
+
+    for block in policy.action_head.dit.blocks:  # recomputed in backward, as --activation_checkpointing does
+        block.forward = checkpointed(block.forward)
+    recomputed, recomputed_grads = _loss_and_grads(policy, obs)
+    torch.testing.assert_close(recomputed, whole, rtol=0, atol=0)
+    for name in grads:
+        torch.testing.assert_close(recomputed_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert not torch.allclose(_loss_and_grads(tiny_groot(dropout=0.0), obs)[0], whole)

@@ -52,3 +52,16 @@ def test_the_contract(name):
     assert units and all(isinstance(u, torch.nn.Module) for u in units)
     unit_params = sum(p.numel() for u in units for p in u.parameters())
     assert unit_params > 0.5 * sum(p.numel() for p in policy.parameters())  # the bulk of the model is in units
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_parameter_is_counted_in_one_of_the_policys_flops_components(name):
+    """MFU counts a frozen component without its backward: each parameter must map to a FLOPs component."""
+    from roboscale.models.registry import get_spec
+
+    policy = POLICIES[name]()
+    components = {c.name for c in get_spec(name).flops_function()(policy.config).components}
+    placed = {n: policy.flops_component_of(n) for n, _ in policy.named_parameters()}
+    assert set(placed.values()) == components
+    with pytest.raises(KeyError, match="does not place the parameter 'nonexistent.weight'"):
+        policy.flops_component_of("nonexistent.weight")

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from roboscale.configs.rollout import RolloutConfig
 from tests.models.helpers import tiny_policy
 
 pytest.importorskip("ray")
@@ -38,3 +39,42 @@ def test_an_evaluation_on_ray_matches_the_local_one(tmp_path):
     (local_episodes, _), (ray_episodes, ray_timing) = episodes("local"), episodes("ray")
     assert ray_episodes == local_episodes
     assert ray_timing["env_steps"] == 30 and ray_timing["inference_calls"] > 0
+
+
+def test_device_auto_on_a_ray_cluster_asks_the_cluster_and_the_predicting_processes_reserve_its_gpus(monkeypatch):
+    """A Ray task sees no GPU unless it reserves one: ``auto`` must be decided by the cluster's resources, and the
+    servers (or, without servers, the workers that predict) must then ask Ray for the GPU."""
+    import queue
+
+    import ray
+
+    from roboscale.rollout.engine import EnvSetup, RolloutStats, _Pool
+    from roboscale.rollout.launch import RayLauncher
+
+    launcher = object.__new__(RayLauncher)  # no cluster needed to resolve the device
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
+    assert launcher.device("auto") == "cuda" and launcher.device("cpu") == "cpu"
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    assert launcher.device("auto") == "cpu"
+
+    class Recording:
+        def __init__(self, device):
+            self.started, self._device = {}, device
+
+        def device(self, requested):
+            return self._device
+
+        def channel(self):
+            return queue.Queue()
+
+        def start(self, target, args, *, name, cpus=1.0, gpus=0.0):
+            self.started[name] = gpus
+
+    setup = EnvSetup("metaworld", "ckpt", 4)
+    for inference, device, expected in (
+            ("server", "cuda", {"rollout-server0": 1.0, "rollout-worker0": 0.0, "rollout-worker1": 0.0}),
+            ("worker", "cuda", {"rollout-worker0": 0.5, "rollout-worker1": 0.5}),
+            ("server", "cpu", {"rollout-server0": 0.0, "rollout-worker0": 0.0, "rollout-worker1": 0.0})):
+        recording = Recording(device)
+        _Pool(RolloutConfig(workers=2, inference=inference), setup, recording, 0, RolloutStats())
+        assert recording.started == expected, (inference, device)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from roboscale.configs.eval import EvalProtocol
 from roboscale.errors import ConfigError
 from roboscale.models.registry import PolicyConfig, default_policy_config
 
@@ -72,37 +74,26 @@ class CheckpointConfig:
 
 
 @dataclass
-class EvalDuringTrainingConfig:
-    """Closed-loop evaluation of checkpoints while training goes on (a separate `roboscale eval` process)."""
+class EvalDuringTrainingConfig(EvalProtocol):
+    """Closed-loop evaluation of checkpoints while training goes on (a separate `roboscale eval` process with
+    these options; each checkpoint meets the same scenes)."""
+
+    option_prefix: ClassVar[str] = "--eval."
 
     every: int = 0
     """Evaluate the checkpoint of every this many steps, and the final one (0: off). A checkpoint is saved at
     these steps whatever --save_freq says. Training does not wait: one evaluation runs at a time, and a newer
     checkpoint replaces one still waiting for its turn."""
-    env: str = "metaworld"
-    """The simulator adapter (as `roboscale eval --env`)."""
-    tasks: list[str] = field(default_factory=lambda: ["demo"])
-    """Tasks or suites to evaluate on (as `roboscale eval --tasks`; checked before training starts)."""
-    episodes: int = 10
-    """Episodes per task."""
-    seed: int = 1000
-    """Evaluation seed (as `roboscale eval --seed`; the same for every checkpoint, so they meet the same scenes)."""
-    max_steps: int = 250
-    """Steps before an episode counts as a failure."""
     workers: int = 1
     """Env worker processes of each evaluation (`roboscale eval --rollout.workers`; they share the machine with
     training)."""
-    videos_per_task: int = 2
-    """Rollout videos to save per task and checkpoint."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.every < 0:
             raise ConfigError(f"--eval.every must be >= 0, got {self.every}")
-        for name in ("episodes", "max_steps", "workers"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--eval.{name} must be a positive integer, got {getattr(self, name)}")
-        if self.videos_per_task < 0:
-            raise ConfigError(f"--eval.videos_per_task must be >= 0, got {self.videos_per_task}")
+        if self.workers <= 0:
+            raise ConfigError(f"--eval.workers must be a positive integer, got {self.workers}")
         if self.every and not self.tasks:
             raise ConfigError("--eval.tasks is empty; name the tasks or suites to evaluate on")
 

@@ -129,6 +129,17 @@ class Policy(nn.Module):
         """The component a parameter belongs to, in the names users know (``roboscale model info``)."""
         return parameter_name.split(".")[0]
 
+    flops_components: ClassVar[dict[str, str]] = {}
+    """Parameter-name prefix -> the component of the policy's analytical FLOPs (its registry's
+    ``flops_per_sample``: vision, language, action) that counts the parameter's compute; the longest prefix wins."""
+
+    def flops_component_of(self, parameter_name: str) -> str:
+        """The FLOPs component a parameter's compute is counted in (a frozen component trains no backward)."""
+        matches = [p for p in self.flops_components if parameter_name == p or parameter_name.startswith(p + ".")]
+        if not matches:
+            raise KeyError(f"{type(self).__name__}.flops_components does not place the parameter {parameter_name!r}")
+        return self.flops_components[max(matches, key=len)]
+
     def parameter_note(self, total: int) -> str:
         """How this count relates to the reference implementation's (what we leave out, and why)."""
         return ""

@@ -124,15 +124,16 @@ class _Pool:
 
     def __init__(self, cfg: RolloutConfig, setup: EnvSetup, launcher: Launcher, generation: int,
                  stats: RolloutStats):
-        from roboscale.rollout.inference import inference_threads, resolve_device
+        from roboscale.rollout.inference import inference_threads
 
         self.cfg, self.setup, self.stats, self.generation = cfg, setup, stats, generation
         self.events = launcher.channel()
         self.requests = launcher.channel()
         self.replies = [launcher.channel() for _ in range(cfg.workers)]
         self.inboxes = [launcher.channel() for _ in range(cfg.workers)]
-        device = resolve_device(cfg.device) if cfg.ray_address == "" else cfg.device
+        device = launcher.device(cfg.device)
         serving = cfg.inference == "server"
+        gpus = 1.0 if device.startswith("cuda") else 0.0  # what each process that predicts reserves (Ray)
         # a server shares the cores with the env workers (which render on the CPU): more threads than its share
         # only make them wait for each other
         threads = inference_threads(cfg.inference_threads, cfg.servers + cfg.workers if serving else cfg.workers)
@@ -142,7 +143,6 @@ class _Pool:
                 name = f"server{i}"
                 settings = ServerSettings(name, setup.checkpoint, device, threads, cfg.max_batch_size,
                                           cfg.batch_timeout_ms)
-                gpus = 1.0 if device.startswith("cuda") else 0.0
                 self.servers[name] = launcher.start(run_server, (settings, self.requests, self.replies, self.events),
                                                     name=f"rollout-{name}", cpus=1.0, gpus=gpus)
         self.workers: dict[str, Handle] = {}
@@ -156,7 +156,7 @@ class _Pool:
                 device=device, threads=threads)
             self.workers[name] = launcher.start(
                 run_env_worker, (settings, self.inboxes[i], self.requests, self.replies[i], self.events),
-                name=f"rollout-{name}", cpus=cfg.worker_cpus)
+                name=f"rollout-{name}", cpus=cfg.worker_cpus, gpus=0.0 if serving else gpus / cfg.workers)
             self.index[name] = i
         self.started_at = time.monotonic()
         self.last_seen: dict[str, float] = {}

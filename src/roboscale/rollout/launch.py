@@ -37,6 +37,10 @@ class Handle(Protocol):
 class Launcher(Protocol):
     def channel(self) -> Channel: ...
 
+    def device(self, requested: str) -> str:
+        """``--rollout.device`` resolved where the processes will run (``auto``: cuda if there is a GPU)."""
+        ...
+
     def start(self, target: Callable[..., None], args: tuple, *, name: str, cpus: float = 1.0,
               gpus: float = 0.0) -> Handle: ...
 
@@ -72,6 +76,11 @@ class LocalLauncher:
     def __init__(self) -> None:
         self._context = mp.get_context("spawn")
         self._channels: list[Any] = []
+
+    def device(self, requested: str) -> str:
+        from roboscale.rollout.inference import resolve_device
+
+        return resolve_device(requested)
 
     def channel(self) -> Channel:
         channel = self._context.Queue()
@@ -133,6 +142,15 @@ class RayLauncher:
         self._owns_ray = start_or_join_ray(None if address == "local" else address, None,
                                            option="--rollout.ray_address",
                                            missing="--rollout.ray_address needs Ray: pip install 'ray[default]'")
+
+    def device(self, requested: str) -> str:
+        """``auto`` asks the cluster, not this machine: cuda when it has a GPU, which the process that predicts
+        then reserves (a Ray task without ``num_gpus`` sees no GPU at all, so it would run on its CPU)."""
+        import ray
+
+        if requested != "auto":
+            return requested
+        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
     def channel(self) -> Channel:
         from ray.util.queue import Queue

@@ -164,15 +164,16 @@ class CheckpointWriter:
         pending = self._pending
         if pending is None:
             return None
-        failed = None
-        try:
-            for write in pending.writes:
-                write.result()
-        except (OSError, SafetensorError, RuntimeError) as exc:
-            failed = exc
-        except CheckpointException as exc:
-            failed = _dcp_os_error(exc, pending.state_dir)
-        self._check(failed)
+        if pending.writes:  # a synchronous save has nothing in flight: save checked its outcome already
+            failed = None
+            try:
+                for write in pending.writes:
+                    write.result()
+            except (OSError, SafetensorError, RuntimeError) as exc:
+                failed = exc
+            except CheckpointException as exc:
+                failed = _dcp_os_error(exc, pending.state_dir)
+            self._check(failed)
         self._pending = None
         if self.env.is_main:
             pending.commit.close()  # renames the step directory into place

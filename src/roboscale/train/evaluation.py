@@ -75,9 +75,7 @@ def eval_command(cfg: EvalDuringTrainingConfig) -> Command:
 
     def command(checkpoint: Path, out: Path) -> list[str]:
         return [sys.executable, "-m", "roboscale", "eval", f"--checkpoint={checkpoint}", f"--output_dir={out}",
-                f"--env={cfg.env}", f"--tasks={','.join(cfg.tasks)}", f"--episodes={cfg.episodes}",
-                f"--seed={cfg.seed}", f"--max_steps={cfg.max_steps}", f"--rollout.workers={cfg.workers}",
-                f"--videos_per_task={cfg.videos_per_task}"]
+                *cfg.protocol_options(), f"--rollout.workers={cfg.workers}"]
 
     return command
 

@@ -13,6 +13,8 @@ step's metrics and
   or a measured CPU GEMM rate);
 - ``data_wait``: the fraction of wall time the loop spent blocked on the loader (0: it keeps up; near 1: the
   accelerator starves), measured around ``next(loader)`` in the training process;
+- ``checkpoint_s``: seconds in the window that training stood still for checkpoint saves (the gather of the
+  consolidated weights and the save; with ``--checkpoint.async_save`` the save part is only the staging copy);
 - ``step_time`` and ``step_time_spread`` ((slowest - fastest rank) / this rank's mean step time: stragglers);
 - ``memory/state_bytes`` (this rank's parameters + gradients + optimizer state: what sharding divides),
   ``memory/peak``; ``skipped_steps`` (NaN/Inf updates skipped so far); ``distinct_episodes`` (mean distinct
@@ -66,22 +68,18 @@ class Telemetry:
         self._sums: dict[str, float | torch.Tensor] = defaultdict(float)
         self._last: dict[str, Any] = {}
         self._count = 0
-        self._wait = 0.0
-        self._checkpoint_wait = 0.0
+        self._blocked: dict[str, float] = defaultdict(float)
         self._window_start = time.perf_counter()
 
     @contextmanager
-    def data_wait(self):
+    def blocked(self, on: str):
+        """Time the loop stands still ``on`` something other than computing: ``data`` (the loader; logged as the
+        ``data_wait`` fraction) or ``checkpoint`` (a save, gather included; logged as ``checkpoint_s``)."""
         start = time.perf_counter()
-        yield
-        self._wait += time.perf_counter() - start
-
-    @contextmanager
-    def checkpoint_blocking(self):
-        """Time training stood still for a checkpoint save (with --checkpoint.async_save: only the staging copy)."""
-        start = time.perf_counter()
-        yield
-        self._checkpoint_wait += time.perf_counter() - start
+        try:
+            yield
+        finally:
+            self._blocked[on] += time.perf_counter() - start
 
     def step(self, step: int, metrics: dict[str, Any], log_now: bool) -> dict[str, float] | None:
         """Accumulate one step; on ``log_now`` return the window's summary (on every rank) and start a new one."""
@@ -110,12 +108,11 @@ class Telemetry:
             if nominal and counts.get("tokens"):
                 flops *= min(1.0, counts["tokens"] / (self._count * self.batch_size) / nominal)
             summary["mfu"] = flops * summary["samples_per_s"] / (self.peak[0] * self.ranks)
-        summary["data_wait"] = self._wait / elapsed
-        summary["checkpoint_s"] = self._checkpoint_wait
+        summary["data_wait"] = self._blocked["data"] / elapsed
+        summary["checkpoint_s"] = self._blocked["checkpoint"]
         self._sums.clear()
         self._count = 0
-        self._wait = 0.0
-        self._checkpoint_wait = 0.0
+        self._blocked.clear()
         self._window_start = time.perf_counter()
         return summary
 

@@ -424,7 +424,7 @@ class Trainer:
         with tqdm(total=self.cfg.steps, initial=self.step, desc="training", unit="step",
                   disable=not (self.progress and self.env.is_main)) as bar:
             while self.step < self.cfg.steps:
-                with self.telemetry.data_wait():
+                with self.telemetry.blocked("data"):
                     batch = next(self.loader)
                 metrics = self.train_step(batch)
                 self.log(metrics, bar)
@@ -471,11 +471,11 @@ class Trainer:
         cfg = self.cfg
         committed = self.checkpoints.poll()
         if self.step % cfg.save_freq == 0 or self.step == cfg.steps or self.evaluation_due(self.step):
-            full = get_model_state_dict(self.policy,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.ema:  # the averaged weights are the ones worth evaluating
-                full.update({name: gather_full(value) for name, value in self.ema.items()})
-            with self.telemetry.checkpoint_blocking():
+            with self.telemetry.blocked("checkpoint"):
+                full = get_model_state_dict(self.policy,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                if self.ema:  # the averaged weights are the ones worth evaluating
+                    full.update({name: gather_full(value) for name, value in self.ema.items()})
                 committed = self.checkpoints.save(
                     self.step, policy=self.policy, sharded_state=self.sharded_state(),
                     full_model_state=full if self.env.is_main else None,
@@ -606,18 +606,8 @@ def training_flops(policy: Any) -> Any:
         return None
     flops = function(policy.config)
     frozen = {c.name for c in flops.components} - {
-        _flops_component(policy, name) for name, p in policy.named_parameters() if p.requires_grad}
+        policy.flops_component_of(name) for name, p in policy.named_parameters() if p.requires_grad}
     return flops.frozen(frozen) if frozen else flops
-
-
-def _flops_component(policy: Any, parameter_name: str) -> str:
-    """The FLOPs component (vision / language / action) a parameter's compute is counted in."""
-    component = policy.component_of(parameter_name).lower()
-    if "vision" in component or "image" in component:
-        return "vision"
-    if "language" in component or "token" in component or "vlm" in component or "llm" in component:
-        return "language"
-    return "action"
 
 
 def peak_flops(device: torch.device, precision: str, fp8: bool) -> tuple[float, str]:

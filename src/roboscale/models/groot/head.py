@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roboscale.models.attention import varlen_attention
+from roboscale.models.dropout import DropoutKeys, SampleDropout
 from roboscale.models.groot.config import GrootConfig
 from roboscale.models.groot.vlm import VLLayout
 
@@ -119,7 +120,7 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(kv_dim, dim)
         self.to_v = nn.Linear(kv_dim, dim)
         self.to_out = nn.Linear(dim, dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = SampleDropout(dropout)
 
     def kv(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of a VL stream [T, kv_dim] -> two [T, H, Dh]."""
@@ -127,23 +128,25 @@ class Attention(nn.Module):
         return (self.to_k(stream).view(t, self.heads, self.head_dim),
                 self.to_v(stream).view(t, self.heads, self.head_dim))
 
-    def forward_self(self, x: torch.Tensor) -> torch.Tensor:
-        """Bidirectional self-attention within each row of x [B, N, D] (no padding inside a row)."""
+    def forward_self(self, x: torch.Tensor, keys: DropoutKeys = None) -> torch.Tensor:
+        """Bidirectional self-attention within each row of x [B, N, D] (no padding inside a row). ``keys``: the
+        per-sample dropout keys of the rows (``VLLayout.row_dropout_keys``)."""
         b, n, d = x.shape
         q, k, v = (proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
                    for proj in (self.to_q, self.to_k, self.to_v))
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-        return self.dropout(self.to_out(out))
+        return self.dropout(self.to_out(out), keys)
 
-    def forward_stream(self, x: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+    def forward_stream(self, x: torch.Tensor, layout: VLLayout, keys: DropoutKeys = None) -> torch.Tensor:
         """Self-attention within the segments of a flat stream x [T, D]."""
         t, d = x.shape
         q, k, v = (proj(x).view(t, self.heads, self.head_dim) for proj in (self.to_q, self.to_k, self.to_v))
         cu, n = layout.cu_seqlens, layout.max_seqlen
         out = varlen_attention(q, k, v, cu, cu, n, n, backend=layout.backend)
-        return self.dropout(self.to_out(out.reshape(t, d)))
+        return self.dropout(self.to_out(out.reshape(t, d)), keys)
 
-    def forward_cross(self, x: torch.Tensor, vl: torch.Tensor, layout: VLLayout) -> torch.Tensor:
+    def forward_cross(self, x: torch.Tensor, vl: torch.Tensor, layout: VLLayout, keys: DropoutKeys = None
+                      ) -> torch.Tensor:
         """Rows x [B, N, D] (sample i = row i) attend to sample i's tokens of the VL stream vl [T, kv_dim] only."""
         b, n, d = x.shape
         q = self.to_q(x).reshape(b * n, self.heads, self.head_dim)
@@ -151,7 +154,7 @@ class Attention(nn.Module):
         cu_q, max_q = layout.query_cu_seqlens(n)
         out = varlen_attention(q, k, v, cu_q.to(x.device), layout.cu_seqlens, max_q, layout.max_seqlen,
                                backend=layout.backend)
-        return self.dropout(self.to_out(out.reshape(b, n, d)))
+        return self.dropout(self.to_out(out.reshape(b, n, d)), keys)
 
 
 class FeedForward(nn.Module):
@@ -161,10 +164,12 @@ class FeedForward(nn.Module):
         super().__init__()
         self.proj_in = nn.Linear(dim, mult * dim)
         self.proj_out = nn.Linear(mult * dim, dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout_hidden = SampleDropout(dropout)  # its own module: its own masks
+        self.dropout = SampleDropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj_out(self.dropout(F.gelu(self.proj_in(x), approximate="tanh"))))
+    def forward(self, x: torch.Tensor, keys: DropoutKeys = None) -> torch.Tensor:
+        hidden = self.dropout_hidden(F.gelu(self.proj_in(x), approximate="tanh"), keys)
+        return self.dropout(self.proj_out(hidden), keys)
 
 
 class AdaLayerNorm(nn.Module):
@@ -191,8 +196,9 @@ class VLSelfAttentionBlock(nn.Module):
         self.ff = FeedForward(dim, dropout)
 
     def forward(self, x: torch.Tensor, layout: VLLayout) -> torch.Tensor:
-        x = x + self.attn.forward_stream(self.norm1(x), layout)
-        return x + self.ff(self.norm3(x))
+        keys = layout.stream_dropout_keys()
+        x = x + self.attn.forward_stream(self.norm1(x), layout, keys)
+        return x + self.ff(self.norm3(x), keys)
 
 
 class DiTBlock(nn.Module):
@@ -209,8 +215,9 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, temb: torch.Tensor, vl: torch.Tensor, layout: VLLayout) -> torch.Tensor:
         """x [B, N, D]; temb [B, D] the timestep embedding; vl [T, W] the VL stream (read by cross blocks only)."""
         h = self.norm1(x, temb)
-        x = x + (self.attn.forward_cross(h, vl, layout) if self.cross else self.attn.forward_self(h))
-        return x + self.ff(F.layer_norm(x, x.shape[-1:], eps=1e-5))
+        keys = layout.row_dropout_keys(x.shape[1])
+        x = x + (self.attn.forward_cross(h, vl, layout, keys) if self.cross else self.attn.forward_self(h, keys))
+        return x + self.ff(F.layer_norm(x, x.shape[-1:], eps=1e-5), keys)
 
 
 class DiT(nn.Module):

@@ -24,16 +24,17 @@ for the whole block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from roboscale.errors import ConfigError
 from roboscale.models.attention import BACKENDS
+from roboscale.models.dropout import number_sites
 from roboscale.models.flops import SampleFlops, attention_flops, linear_flops, sample_flops, vit_flops
-from roboscale.models.flow_matching import FlowMatching
+from roboscale.models.flow_matching import FlowMatching, sample_seeds
 from roboscale.models.groot.config import GrootConfig
 from roboscale.models.groot.head import FlowMatchingActionHead
 from roboscale.models.groot.transform import TOKENS, TOKENS_MASK, GrootCollate, GrootTransform
@@ -117,6 +118,7 @@ class GrootPolicy(Policy):
             raise ConfigError(f"policy.attention_backend: {cfg.attention_backend!r} is not one of {list(BACKENDS)}")
         self.vlm = EagleVLM(cfg)
         self.action_head = FlowMatchingActionHead(cfg, cfg.llm_width)
+        number_sites(self.action_head)
         # a dataset narrower than the state/action sizes (a checkpoint's padded maxima) is zero-padded to them
         self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm, data_dim=cfg.dataset_state_dim)
         self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm, data_dim=cfg.dataset_action_dim)
@@ -149,6 +151,9 @@ class GrootPolicy(Policy):
     @staticmethod
     def component_of(parameter_name: str) -> str:
         return component_of(parameter_name)
+
+    flops_components: ClassVar[dict[str, str]] = {"vlm.vision": "vision", "vlm.projector": "vision", "vlm.embed_tokens": "language",
+                        "vlm.layers": "language", "vlm.norm": "language", "action_head": "action"}
 
     def parameter_note(self, total: int) -> str:
         """How our count relates to the GR00T N1.5 checkpoint's."""
@@ -213,6 +218,9 @@ class GrootPolicy(Policy):
         ids, mask = self._language(batch, device)
         b = ids.shape[0]
         vl, layout = self.vlm(images, ids, mask, padded=not cfg.packed)
+        seeds = sample_seeds(batch)
+        if self.training and seeds is not None:  # dropout masks per sample, not per rank (models.dropout)
+            layout = replace(layout, sample_seeds=seeds.to(device))
         vl = self.action_head.encode_vl(vl, layout)
         embodiment = self._embodiment(batch, b, device)
         state = self.state_normalizer.normalize(batch[cfg.state_key].float().to(device))

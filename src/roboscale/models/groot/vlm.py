@@ -41,6 +41,25 @@ class VLLayout:
     position_ids: torch.Tensor
     is_sample: torch.Tensor
     backend: str = "auto"  # the varlen_attention backend of every attention over this stream
+    sample_seeds: torch.Tensor | None = None
+    """The samples' seeds (int64 [B], the loader's ``sample_seed``) for per-sample dropout masks (set while
+    training; None: ``SampleDropout`` falls back to the process's RNG)."""
+
+    def stream_dropout_keys(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(seed, position within its sample) of every token of the stream [T], for ``SampleDropout``. A padding
+        segment borrows the seed of the sample before it (nothing real reads its tokens)."""
+        if self.sample_seeds is None:
+            return None
+        segment_sample = (self.is_sample.to(torch.int64).cumsum(0) - 1).clamp_min(0)
+        seeds = self.sample_seeds[segment_sample.to(self.sample_seeds.device)]
+        return torch.repeat_interleave(seeds, self.cu_seqlens.diff().to(seeds.device)), self.position_ids
+
+    def row_dropout_keys(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(seed [B, 1], position [1, length]) for rows [B, length, D] (sample i = row i), for ``SampleDropout``."""
+        if self.sample_seeds is None:
+            return None
+        seeds = self.sample_seeds
+        return seeds[:, None], torch.arange(length, device=seeds.device)[None]
 
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor, padded: bool = False) -> VLLayout:
@@ -80,8 +99,9 @@ class VLLayout:
 
     def to(self, device: torch.device) -> VLLayout:
         """Tensors the attention kernels read on ``device`` (flash-attention wants cu_seqlens there)."""
+        seeds = self.sample_seeds.to(device) if self.sample_seeds is not None else None
         return VLLayout(self.cu_seqlens.to(device), self.max_seqlen, self.position_ids.to(device), self.is_sample,
-                        self.backend)
+                        self.backend, seeds)
 
 
 def pack_tokens(tokens: torch.Tensor, mask: torch.Tensor, padded: bool) -> tuple[torch.Tensor, VLLayout]:

@@ -31,7 +31,7 @@ and a few thousand frames, digit tokens would have to learn numeracy from scratc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -299,6 +299,16 @@ class Pi05Policy(Policy):
 
     def parallel_units(self) -> list[nn.Module]:
         return [*self.vision.blocks, *self.layers]
+
+    # the state token is part of the prefix; a joint layer's expert_* weights are the action expert's
+    flops_components: ClassVar[dict[str, str]] = {"vision": "vision", "projector": "vision", "embed_tokens": "language",
+                        "state_proj": "language", "layers": "language", "action_in_proj": "action",
+                        "time_mlp": "action", "expert_norm": "action", "action_out_proj": "action"}
+
+    def flops_component_of(self, parameter_name: str) -> str:
+        if parameter_name.startswith("layers.") and ".expert_" in parameter_name:
+            return "action"
+        return super().flops_component_of(parameter_name)
 
     @staticmethod
     def component_of(parameter_name: str) -> str:

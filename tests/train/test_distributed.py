@@ -29,19 +29,22 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive", "ROBOSCALE_LOG": "WARNING"}
 
 
-def _command(ranks: int, dataset: Path, out: Path, *extra: str) -> list[str]:
+PI05 = tiny_policy_args("pi05", chunk_size=4, n_action_steps=2)
+
+
+def _command(ranks: int, dataset: Path, out: Path, *extra: str, policy: list[str] = PI05) -> list[str]:
     args = ["train", f"--dataset.root={dataset}", "--dataset.num_workers=0", f"--output_dir={out}",
             f"--steps={STEPS}", "--batch_size=8", "--log_freq=1", "--save_freq=2", "--optimizer.warmup_steps=2",
-            *tiny_policy_args("pi05", chunk_size=4, n_action_steps=2), *extra]
+            *policy, *extra]
     if ranks == 1:
         return [sys.executable, "-m", "roboscale", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             "-m", "roboscale", *args]
 
 
-def _train(ranks: int, dataset: Path, out: Path, *extra: str) -> list[dict]:
-    done = subprocess.run(_command(ranks, dataset, out, *extra), env=_env(), capture_output=True, text=True,
-                          timeout=600)
+def _train(ranks: int, dataset: Path, out: Path, *extra: str, policy: list[str] = PI05) -> list[dict]:
+    done = subprocess.run(_command(ranks, dataset, out, *extra, policy=policy), env=_env(), capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return _metrics(out)
 
@@ -69,6 +72,15 @@ def test_one_process_ddp_and_fsdp_compute_the_same_losses(runs) -> None:
     assert len(single) == STEPS and single[-1] < single[0]
     for name in ("ddp", "fsdp"):
         assert _losses(runs[name][1]) == pytest.approx(single, rel=1e-4), name
+
+
+def test_gr00t_with_dropout_computes_the_same_losses_on_one_and_two_ranks(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Dropout masks come from each sample's seed (models.dropout), not from a rank's RNG stream: GR00T with
+    dropout trains the same global batches to the same losses on 1 process and on 2 FSDP2 ranks."""
+    groot = tiny_policy_args("groot", chunk_size=4, n_action_steps=2, dropout=0.3)
+    single = _losses(_train(1, tiny_dataset, tmp_path / "single", policy=groot))
+    fsdp = _losses(_train(2, tiny_dataset, tmp_path / "fsdp", "--parallel.strategy=fsdp", policy=groot))
+    assert len(single) == STEPS and fsdp == pytest.approx(single, rel=1e-4)
 
 
 def test_fsdp_divides_the_state_each_rank_holds(runs) -> None:

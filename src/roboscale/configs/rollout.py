@@ -35,7 +35,8 @@ class RolloutConfig:
     batch_timeout_ms: float = 5.0
     """...or this long after the first of them arrived."""
     device: str = "auto"
-    """Where the policy runs: auto (cuda if available), cpu, cuda, cuda:N."""
+    """Where the policy runs: auto (cuda if available; on Ray, if the cluster has a GPU, which the inference
+    servers then reserve), cpu, cuda, cuda:N."""
     inference_threads: int = 0
     """torch threads of each inference process (0: the machine's cores over the processes sharing them: servers
     and env workers, or the workers that predict for themselves)."""

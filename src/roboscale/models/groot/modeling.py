@@ -219,7 +219,7 @@ class GrootPolicy(Policy):
         b = ids.shape[0]
         vl, layout = self.vlm(images, ids, mask, padded=not cfg.packed)
         seeds = sample_seeds(batch)
-        if self.training and seeds is not None:  # dropout masks per sample, not per rank (models.dropout)
+        if self.training and cfg.dropout > 0 and seeds is not None:  # masks per sample, not per rank (models.dropout)
             layout = replace(layout, sample_seeds=seeds.to(device))
         vl = self.action_head.encode_vl(vl, layout)
         embodiment = self._embodiment(batch, b, device)

@@ -15,11 +15,20 @@ sample (main process + workers, after a warm-up), and the ratios against (a), al
     .venv/bin/python benchmarks/loader.py                  # generates the dataset once (~1-2 min), then ~2 min
     .venv/bin/python benchmarks/loader.py --image-size 480 # cameras at 480² in the raw files (the lake: 224²)
     .venv/bin/python benchmarks/loader.py --elastic        # the cost of elastic batches: (b) on rank 0 of 1 and of 4
+    .venv/bin/python benchmarks/loader.py --checksum       # the cost of the shard checksum on open: (c) vs (d)
 
 ``--elastic``: the global batch of 32 is split over ranks (``roboscale.data.loading.plan``); rank 0 of 4 reads 8
 samples of each batch, a quarter of each block. Reports, side by side in one run, rank 0's CPU-seconds and decode
 seconds per sample at world size 1 and 4 (their ratio is what elasticity costs per sample), and from the plan alone
 the runs of consecutive frames (decoder seeks) per decoded sample at world sizes 1-8.
+
+``--checksum``: (c) hashes every lake shard file (sha256) the first time the machine reads it (``LakeSource``'s
+``verify_on_open``, the default; each run gets an empty record of verified files, as a machine that reads the lake
+for the first time); (d) is (c) with it off. Reports (b), (c) and (d) side by side in one run: the
+steady state (after the warm-up) and the start-up (building the loader, starting workers and the warm-up batches,
+in which each worker of this small lake opens, and so hashes, every shard: pass ``--warmup 16``, a block per
+worker). The three run interleaved ``--repeat`` times (medians reported): on a shared machine one run of each
+swings by 2x.
 
 The dataset (MetaWorld, 2 tasks x 10 episodes, 2 cameras at 224² or ``--image-size``) and its lake are cached
 under outputs/bench/ (gitignored). Each configuration runs in a fresh process so caches and workers do not carry over.
@@ -32,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,12 +158,12 @@ def _paths(size: int) -> tuple[Path, Path]:
     return CACHE / f"metaworld-{size}", CACHE / f"metaworld-{size}-lake"
 
 
-def _our_batches(source: Path, fps: float, world_size: int = 1):
+def _our_batches(source: Path, fps: float, world_size: int = 1, source_options: dict | None = None):
     from roboscale.data.loading.loader import build_loader
 
     loader = build_loader(source, batch_size=BATCH, num_workers=WORKERS, keys=[*CAMERAS, STATE, ACTION],
                           delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]}, seed=0, rank=0,
-                          world_size=world_size)
+                          world_size=world_size, source_options=source_options)
     next(loader)  # start the workers
     return loader, (lambda: [w.pid for w in loader._iter._workers]), loader.close
 
@@ -184,16 +194,19 @@ def _cpu_of(pid: int) -> float:
 
 def measure(which: str, warmup: int, batches: int, size: int, world_size: int = 1) -> dict:
     dataset, lake = _paths(size)
+    start, start_cpu = time.perf_counter(), time.process_time()
     if which == "a":
         it, pids, close = _lerobot_batches(dataset)
     else:
         fps = json.loads((dataset / "meta/info.json").read_text())["fps"]
-        it, pids, close = _our_batches(dataset if which == "b" else lake, fps, world_size)
+        options = {"verify_on_open": which == "c"} if which in ("c", "d") else None
+        it, pids, close = _our_batches(dataset if which == "b" else lake, fps, world_size, options)
     for _ in range(warmup):
         next(it)
     workers = pids()
     main0, workers0 = time.process_time(), sum(_cpu_of(p) for p in workers)
     t0 = time.perf_counter()
+    start_wall, start_cpu = t0 - start, main0 - start_cpu + workers0  # workers: all they used since they started
     n = 0
     for _ in range(batches):
         batch = next(it)
@@ -201,13 +214,13 @@ def measure(which: str, warmup: int, batches: int, size: int, world_size: int = 
     wall = time.perf_counter() - t0
     main_cpu, workers_cpu = time.process_time() - main0, sum(_cpu_of(p) for p in workers) - workers0
     cpu = main_cpu + workers_cpu
-    side = LAKE_SIZE if which == "c" else size
+    side = LAKE_SIZE if which in ("c", "d") else size
     assert batch[ACTION].shape[1:] == (CHUNK, batch[ACTION].shape[-1]) and batch[CAMERAS[0]].shape[-1] == side
     stats = it.stats() if hasattr(it, "stats") else {}  # decode: every block received, warm-up included
     close()
     return {"samples": n, "wall_s": wall, "cpu_s": cpu, "main_cpu_s": main_cpu, "workers_cpu_s": workers_cpu,
             "decode_s": stats.get("decode_s", 0.0),
-            "decoded": stats.get("decoded_samples", 1)}
+            "decoded": stats.get("decoded_samples", 1), "start_wall_s": start_wall, "start_cpu_s": start_cpu}
 
 
 # --------------------------------------------------------------------------------------------------- driver
@@ -243,7 +256,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224,
                         help="camera side of the raw dataset (the lake always holds 224²: the policy's resolution)")
     parser.add_argument("--elastic", action="store_true", help="the cost of elastic batches (see above)")
-    parser.add_argument("--one", choices=["a", "b", "c"], help=argparse.SUPPRESS)
+    parser.add_argument("--checksum", action="store_true", help="the cost of the shard checksum on open (see above)")
+    parser.add_argument("--repeat", type=int, default=3, help="--checksum: runs of each configuration (medians)")
+    parser.add_argument("--one", choices=["a", "b", "c", "d"], help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -256,13 +271,10 @@ def main() -> None:
         elastic(args)
         return
     have_lake = ensure_lake(args.image_size)
-    results = {}
-    for which in ["a", "b"] + (["c"] if have_lake else []):
-        out = subprocess.run([sys.executable, __file__, "--one", which, "--batches", str(args.batches),
-                              "--baseline-batches", str(args.baseline_batches), "--warmup", str(args.warmup),
-                              "--image-size", str(args.image_size)],
-                             check=True, capture_output=True, text=True)
-        results[which] = json.loads(out.stdout.strip().splitlines()[-1])
+    if args.checksum:
+        checksum(args)
+        return
+    results = {which: _run_one(which, args) for which in ["a", "b"] + (["c"] if have_lake else [])}
     names = {"a": "(a) LeRobot access pattern, raw v3", "b": "(b) roboscale loader, raw v3",
              "c": "(c) roboscale loader, lake shards"}
     base = results["a"]["samples"] / results["a"]["wall_s"]
@@ -287,6 +299,72 @@ def main() -> None:
     print(f"ratios measured side by side in this run: (b)/(a) = "
           f"{results['b']['samples'] / results['b']['wall_s'] / base:.1f}x"
           + (f", (c)/(a) = {results['c']['samples'] / results['c']['wall_s'] / base:.1f}x" if "c" in results else ""))
+
+
+def _run_one(which: str, args: argparse.Namespace) -> dict:
+    """``measure(which)`` in a fresh process: no caches or workers carried over from another configuration, and
+    no record of verified shards either (a machine that reads this lake for the first time: utils.io.HashChecks)."""
+    with tempfile.TemporaryDirectory(prefix="verified-") as verified:
+        out = subprocess.run([sys.executable, __file__, "--one", which, "--batches", str(args.batches),
+                              "--baseline-batches", str(args.baseline_batches), "--warmup", str(args.warmup),
+                              "--image-size", str(args.image_size)],
+                             check=True, capture_output=True, text=True,
+                             env={**os.environ, "ROBOSCALE_CACHE_DIR": verified})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def checksum(args: argparse.Namespace) -> None:
+    """(b) raw, (c) lake with the shard checksum on open, (d) lake without it, each in a fresh process."""
+    _, lake = _paths(args.image_size)
+    runs: dict[str, list[dict]] = {"b": [], "c": [], "d": []}
+    hash_cpu = []
+    for _ in range(args.repeat):  # interleaved: load from others on the machine falls on all three alike
+        for which, done in runs.items():
+            done.append(_run_one(which, args))
+        hash_cpu.append(_hash_cpu_s(lake))
+    results = {which: {key: float(np.median([r[key] for r in done])) for key in done[0]}
+               for which, done in runs.items()}
+    lake_mb = sum(p.stat().st_size for p in (lake / "shards").glob("*/*")) / 1e6
+    print(f"{os.cpu_count()} cores; batch {BATCH}, {WORKERS} workers; 2 cameras {args.image_size}² AV1 (lake: "
+          f"{LAKE_SIZE}², {lake_mb:,.0f} MB of shards) + state + {CHUNK}-step action chunk; warm-up {args.warmup} "
+          f"batches, {args.batches} measured; medians of {args.repeat} interleaved runs")
+    print("| loader | samples/s | CPU-s / sample | start-up wall-s | start-up CPU-s |")
+    print("|---|---:|---:|---:|---:|")
+    names = {"b": "(b) roboscale loader, raw v3", "c": "(c) lake shards, checksum on open (default)",
+             "d": "(d) lake shards, verify_on_open=False"}
+    for which, r in results.items():
+        print(f"| {names[which]} | {r['samples'] / r['wall_s']:,.0f} | {r['cpu_s'] / r['samples'] * 1e3:.2f} ms | "
+              f"{r['start_wall_s']:.2f} | {r['start_cpu_s']:.2f} |")
+    b, c, d = (results[k] for k in "bcd")
+
+    def rate(r: dict) -> float:
+        return r["samples"] / r["wall_s"]
+
+    hashing = float(np.median(hash_cpu))
+    frames = _frames(args.image_size)
+    print(f"ratios measured side by side in this run: steady state (c)/(d) = {rate(c) / rate(d):.2f}x samples/s, "
+          f"{c['cpu_s'] / c['samples'] / (d['cpu_s'] / d['samples']):.2f}x CPU-s per sample; start-up (c)/(d) = "
+          f"{c['start_wall_s'] / d['start_wall_s']:.2f}x wall, {c['start_cpu_s'] / d['start_cpu_s']:.2f}x CPU; "
+          f"(c)/(b) = {rate(c) / rate(b):.1f}x samples/s, (d)/(b) = {rate(d) / rate(b):.1f}x")
+    print(f"the checksum's one-off cost: hashing the {lake_mb:,.0f} MB of shards takes {hashing:.2f} CPU-s "
+          f"({lake_mb / hashing:,.0f} MB/s), once per machine whatever its workers and ranks (later runs: none): "
+          f"{hashing / frames * 1e3:.2f} ms per sample of the first epoch ({frames} samples), against (c)'s "
+          f"{c['cpu_s'] / c['samples'] * 1e3:.2f} ms and (b)'s {b['cpu_s'] / b['samples'] * 1e3:.2f} ms per sample")
+
+
+def _hash_cpu_s(lake: Path) -> float:
+    """CPU-seconds to hash every shard file once: what a machine spends on the lake with the checksum."""
+    from roboscale.data.lake.source import LakeSource
+
+    source = LakeSource(lake, verify_on_open=False)
+    t0 = time.process_time()
+    source.verify_checksums()
+    return time.process_time() - t0
+
+
+def _frames(size: int) -> int:
+    dataset, _ = _paths(size)
+    return int(json.loads((dataset / "meta/info.json").read_text())["total_frames"])
 
 
 def elastic(args: argparse.Namespace) -> None:

@@ -3,6 +3,8 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# what a test run hashes is remembered in a directory of its own (utils.io.HashChecks), not the user's cache
+os.environ.setdefault("ROBOSCALE_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="roboscale-cache-"))
 
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402

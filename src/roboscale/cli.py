@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from roboscale.errors import ConfigError, RoboscaleError, one_line
+from roboscale.utils.lifetime import restore_sigterm, terminate_like_interrupt
 
 
 @dataclass(frozen=True)
@@ -260,17 +261,21 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(entry, dict):
             table = entry
             continue
+        # SIGTERM (a scheduler's, a launcher's) ends a command as Ctrl-C does (roboscale.utils.lifetime)
+        previous = terminate_like_interrupt()
         try:
             entry.run(argv)
         except RoboscaleError as exc:  # the one path every error a user can cause takes: one line, no traceback
             print(f"error: {one_line(exc)}", file=sys.stderr)
             return exc.exit_code
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM as Terminated: what was cut short, what is intact
+            print(one_line(exc) or "interrupted", file=sys.stderr)
+            return getattr(exc, "exit_code", 130)
         except BrokenPipeError:  # `roboscale data info DIR | head`
             sys.stderr.close()
             return 0
+        finally:  # called in-process (tests, notebooks): the caller's own SIGTERM handling again
+            restore_sigterm(previous)
         return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import inspect
 import json
 import textwrap
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 import yaml
 
 from roboscale.errors import ConfigError
+from roboscale.utils.imports import load
 
 T = TypeVar("T")
 
@@ -50,8 +50,7 @@ def register_lazy(base: type, name: str, path: str) -> None:
 def _resolve(base: type, name: str) -> type:
     entry = _CHOICES[base][name]
     if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
+        entry = load(entry)
         entry.type = name
         _CHOICES[base][name] = entry
     return entry

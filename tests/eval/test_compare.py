@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from roboscale.errors import ConfigError
+from roboscale.errors import ConfigError, DatasetError
 from roboscale.eval.compare import compare, comparison_markdown, load_run, write_comparison
 from roboscale.utils.stats import two_proportion_test, wilson_interval
 from tests.eval.test_report import PROTOCOL, make_report
@@ -115,7 +115,7 @@ def test_bad_runs_are_one_line_errors(tmp_path: Path):
         load_run(run)
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "report.json").write_text('{"per_task": ')
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(DatasetError, match="report.json: not valid JSON"):  # a damaged file: exit code 1
         load_run(tmp_path / "broken")
 
 

@@ -56,7 +56,8 @@ def test_batched_and_unbatched_evaluations_of_the_real_policy_agree_in_metaworld
     b = json.loads((tmp_path / "batched" / "report.json").read_text())["episodes"]
     assert [(e["task"], e["episode"], e["seed"], e["steps"], e["success"]) for e in a] == \
            [(e["task"], e["episode"], e["seed"], e["steps"], e["success"]) for e in b]
-    np.testing.assert_allclose([e["sum_reward"] for e in a], [e["sum_reward"] for e in b], rtol=1e-4)
+    # float32 rounding of batched matrix products (tests/faults/test_eval_faults.py): about 1e-8..1e-6 relative
+    np.testing.assert_allclose([e["sum_reward"] for e in a], [e["sum_reward"] for e in b], rtol=1e-5)
     assert batched["timing"]["mean_batch_size"] > 1.5 and alone["timing"]["mean_batch_size"] == 1.0
 
 

@@ -151,6 +151,29 @@ def garble_data_pages(root: Path) -> None:
     _overwrite(path, start, start + chunk.total_compressed_size)
 
 
+def set_values(root: Path, episode: int, key: str, frames: slice, value: float) -> None:
+    """``value`` into the last dimension of ``key`` at ``frames`` of the episode's data parquet (meta/stats.json
+    untouched: what a damaged copy or a tool that wrote the data after the stats leaves)."""
+    def edit(table: pa.Table) -> pa.Table:
+        column = table[key].combine_chunks()
+        values = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1).copy()
+        values[frames, -1] = value
+        edited = pa.FixedSizeListArray.from_arrays(pa.array(values.ravel(), column.type.value_type),
+                                                   column.type.list_size)
+        i = table.schema.get_field_index(key)
+        return table.set_column(i, table.schema.field(i), edited)
+
+    _edit_table(_data_file(root, episode), edit)
+
+
+def nan_in_actions(root: Path) -> None:
+    set_values(root, 1, "action", slice(2, 5), float("nan"))
+
+
+def inf_in_state(root: Path) -> None:
+    set_values(root, 3, "observation.state", slice(4, 5), float("inf"))
+
+
 def lengthen_episode_in_metadata(root: Path) -> None:
     def edit(table: pa.Table) -> pa.Table:
         i = table.schema.get_field_index("length")
@@ -221,8 +244,9 @@ DAMAGES: list[Damage] = [
     Damage("data-file-deleted", "episode 2's data parquet deleted", delete_data_file, frozenset({2})),
     Damage("data-file-truncated", "episode 3's data parquet cut in half (no footer)", truncate_data_file,
            frozenset({3})),
+    # the quick check reads the float columns (for NaN/Inf), so it finds garbled pages of the action column
     Damage("data-pages-garbled", "random bytes over the action column's pages of episode 4's data parquet (footer "
-           "intact)", garble_data_pages, frozenset({4}), found="read"),
+           "intact)", garble_data_pages, frozenset({4})),
     Damage("episode-length-edited", "episode 2's length in meta/episodes one frame longer than its data",
            lengthen_episode_in_metadata, None),
     Damage("episode-index-gap", "episode 2 removed from meta/episodes (indices 0, 1, 3, 4)",
@@ -235,6 +259,11 @@ DAMAGES: list[Damage] = [
     Damage("tasks-deleted", "meta/tasks.parquet deleted", delete_tasks, None, expect=_INFO_FAILS),
     Damage("episodes-metadata-truncated", "meta/episodes parquet cut to 100 bytes", truncate_episodes_metadata,
            None, expect=_INFO_FAILS),
+    # LeRobot reads NaN and Inf as any other value; training on them makes the loss NaN
+    Damage("nan-action", "NaN in the last action dimension of frames 2-4 of episode 1's data parquet (stats.json "
+           "untouched)", nan_in_actions, frozenset({1}), expect={"LeRobotDataset": "ok"}),
+    Damage("inf-state", "+Inf in one observation.state value of episode 3's data parquet (stats.json untouched)",
+           inf_in_state, frozenset({3}), expect={"LeRobotDataset": "ok"}),
     # LeRobot reads a dataset without stats; training cannot normalize without them
     Damage("stats-deleted", "meta/stats.json deleted (training needs normalization statistics)", delete_stats,
            None, expect={"LeRobotDataset": "ok"}),

@@ -55,7 +55,7 @@ class ValidateConfig:
     root: str = ""
     """The dataset directory."""
     quick: bool = False
-    """Index columns and one frame per episode and camera instead of decoding everything."""
+    """Index and numeric columns (NaN/Inf) and one frame per episode and camera instead of decoding everything."""
     tolerance_s: float = 1e-4
     """Allowed timestamp error in seconds (LeRobot's tolerance_s)."""
 

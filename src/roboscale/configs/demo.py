@@ -14,7 +14,8 @@ class DemoConfig:
     """`roboscale demo`: generate demos, train a pi0.5-style policy, evaluate it untrained and trained."""
 
     output_dir: str = "outputs/demo"
-    """Everything goes here: data/, train/, eval_untrained/, and the trained checkpoint's eval/."""
+    """Everything goes here: data/, train/ (with the trained checkpoint's evaluation in train/eval/step_<N>/),
+    eval_untrained/, eval_swapped_instructions/."""
     data: GenerateConfig = field(default_factory=GenerateConfig)
     """Demonstration generation (its `out` is set to <output_dir>/data)."""
     train: TrainConfig = field(default_factory=TrainConfig)

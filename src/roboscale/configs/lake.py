@@ -15,7 +15,8 @@ class LakeConfig:
     sources: list[str] = field(default_factory=list)
     """LeRobot v3.0 dataset roots: local paths or pyarrow filesystem URIs (s3://bucket/ds, file:///data/ds)."""
     output: str = ""
-    """Lake directory (local or a shared filesystem mounted on every Ray node)."""
+    """Lake directory (local or a shared filesystem mounted on every Ray node): new, empty, or a lake (or partial
+    build) of roboscale's, and neither inside nor around a source; a build deletes only shards it wrote there."""
     image_size: int = 224
     """Square side of every camera in the shards; 0 keeps each camera's native resolution."""
     resize: str = "pad"

@@ -36,6 +36,9 @@ class DatasetConfig:
     decoding."""
     skip_bad_episodes: bool = False
     """Skip and count unreadable episodes instead of stopping."""
+    verify_lake_shards: bool = True
+    """Lakes: check each shard file's sha256 the first time this machine reads that version of it (remembered in
+    ~/.cache/roboscale/verified, or $ROBOSCALE_CACHE_DIR); false trusts the bytes (sizes are still checked)."""
 
 
 @dataclass

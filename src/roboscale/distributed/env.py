@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from roboscale.utils.lifetime import exit_with
+
 log = logging.getLogger(__name__)
+
+TORCHRUN = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun's agent in the ranks it starts."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ def _env_int(name: str, default: int) -> int:
 
 def init_distributed(timeout_s: float, num_threads: int = 0) -> DistributedEnv:
     """Join the ranks the environment describes (a no-op for one process) and set this rank's CPU threads."""
+    if os.environ.get(TORCHRUN):  # torchrun starts ranks in sessions of their own: nothing else ends them
+        exit_with(os.getppid())  # when the launcher is killed outright (the agent is the rank's parent)
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)

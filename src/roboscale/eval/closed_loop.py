@@ -8,7 +8,6 @@ rerun with the same protocol skips them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import asdict
@@ -19,11 +18,14 @@ import numpy as np
 
 from roboscale.configs.eval import EvalConfig
 from roboscale.errors import CheckpointError, ConfigError
-from roboscale.utils.io import atomic_write_json, sha256_file
+from roboscale.eval.records import read_json_object
+from roboscale.utils.io import atomic_write_json, exclusive_lock, sha256_file
+from roboscale.utils.lifetime import interrupted
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_FILE = "protocol.json"
+LOCK_FILE = ".eval.lock"
 PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i)), a hash of (seed, t, i): the "
              "same placement whichever worker runs it")
 NOISE = ("flow-matching noise of the k-th chunk an episode predicts: N(0, 1) from PCG64([episode seed, k]): "
@@ -88,40 +90,52 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"), "protocol": protocol,
     }
     del policy
-    episode_log = EpisodeLog(out_dir)
-    done = _previous_episodes(out_dir, episode_log, {**protocol, "checkpoint_sha256": meta["checkpoint_sha256"]},
-                              cfg.resume)
-    candidates = 3 * cfg.videos_per_task  # videos are kept for failures and successes both: record a few more
-    jobs = [
-        EpisodeJob(task, i, episode_seed(cfg.seed, task, i), instructions.get(task, ""), record_video=i < candidates)
-        for task in tasks
-        for i in range(cfg.episodes)
-        if (task, i) not in done
-    ]
-    if done:
-        log.info("resuming: %d of %d episodes were already done (%s)", len(done), len(tasks) * cfg.episodes,
-                 episode_log.path)
-    setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, env_options, cfg.video_camera,
-                     str(out_dir / "videos"))
-    results, stats = _run(RolloutEngine(cfg.rollout, setup), jobs, episode_log, progress)
-    results = sorted([*done.values(), *results], key=lambda r: (tasks.index(r.task), r.episode))
-    _select_videos(results, out_dir, cfg.videos_per_task)
-    meta["timing"] = {
+    # one evaluation per directory: a second one would run every episode again into the same episodes.jsonl
+    with exclusive_lock(out_dir / LOCK_FILE, lambda holder: ConfigError(
+            f"{out_dir}: another evaluation ({holder}) is writing there; wait for it to end, or use another "
+            "--output_dir")):
+        episode_log = EpisodeLog(out_dir)
+        done = _previous_episodes(out_dir, episode_log,
+                                  {**protocol, "checkpoint_sha256": meta["checkpoint_sha256"]}, cfg.resume)
+        candidates = 3 * cfg.videos_per_task  # videos are kept for failures and successes both: record a few more
+        jobs = [
+            EpisodeJob(task, i, episode_seed(cfg.seed, task, i), instructions.get(task, ""),
+                       record_video=i < candidates)
+            for task in tasks
+            for i in range(cfg.episodes)
+            if (task, i) not in done
+        ]
+        if done:
+            log.info("resuming: %d of %d episodes were already done (%s)", len(done), len(tasks) * cfg.episodes,
+                     episode_log.path)
+        setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, env_options, cfg.video_camera,
+                         str(out_dir / "videos"))
+        results, stats = _run(RolloutEngine(cfg.rollout, setup), jobs, episode_log, progress)
+        results = sorted([*done.values(), *results], key=lambda r: (tasks.index(r.task), r.episode))
+        _select_videos(results, out_dir, cfg.videos_per_task)
+        meta["timing"] = _timing(cfg, stats, len(jobs), len(done))
+        meta["retries"] = [asdict(retry) for retry in stats.retries]
+        summary = write_report(out_dir, results, tasks, meta)
+        summary["report_dir"] = str(out_dir)
+        summary["eval_seconds"] = stats.wall_s
+        summary["timing"] = meta["timing"]
+        return summary
+
+
+def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, Any]:
+    """Where the evaluation's time went, and the engine settings it ran with."""
+    rollout = cfg.rollout
+    return {
         "wall_s": stats.wall_s, "env_steps": stats.env_steps,
         "env_steps_per_s": stats.env_steps / stats.wall_s if stats.wall_s else 0.0,
         "sim_s": stats.sim_s, "render_s": stats.render_s, "inference_s": stats.inference_s,
         "inference_calls": stats.inference_calls, "mean_batch_size": stats.mean_batch_size,
-        "workers": cfg.rollout.workers, "envs_per_worker": cfg.rollout.envs_per_worker,
-        "inference": cfg.rollout.inference, "servers": cfg.rollout.servers if cfg.rollout.inference == "server" else 0,
-        "max_batch_size": cfg.rollout.max_batch_size, "batch_timeout_ms": cfg.rollout.batch_timeout_ms,
-        "episodes_run": len(jobs), "episodes_resumed": len(done), "restarts": stats.restarts,
+        "workers": rollout.workers, "envs_per_worker": rollout.envs_per_worker,
+        "inference": rollout.inference, "servers": rollout.servers if rollout.inference == "server" else 0,
+        "max_batch_size": rollout.max_batch_size, "batch_timeout_ms": rollout.batch_timeout_ms,
+        "inference_threads": rollout.inference_threads,
+        "episodes_run": run, "episodes_resumed": resumed, "restarts": stats.restarts,
     }
-    meta["retries"] = [asdict(retry) for retry in stats.retries]
-    summary = write_report(out_dir, results, tasks, meta)
-    summary["report_dir"] = str(out_dir)
-    summary["eval_seconds"] = stats.wall_s
-    summary["timing"] = meta["timing"]
-    return summary
 
 
 def _check_cameras(spec: Any, task: str, env_options: dict, checkpoint: Path) -> None:
@@ -142,7 +156,7 @@ def _previous_episodes(out_dir: Path, episode_log: Any, protocol: dict, resume: 
     path = out_dir / PROTOCOL_FILE
     done = {}
     if resume and path.is_file():
-        previous = json.loads(path.read_text())
+        previous = read_json_object(path, "delete it, or --resume=false to start over")
         changed = sorted(k for k in protocol.keys() | previous.keys()
                          if k != "videos_per_task" and previous.get(k) != protocol.get(k))
         if changed:
@@ -167,7 +181,11 @@ def _run(engine: Any, jobs: list, episode_log: Any, progress: bool) -> tuple[lis
             bar.update(1)
             bar.set_postfix(success=f"{np.mean(finished):.0%}")
 
-        return engine.run(jobs, on_result)
+        try:
+            return engine.run(jobs, on_result)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (utils.lifetime): what is kept, how to go on
+            raise interrupted(exc, f"after {len(finished)} of {len(jobs)} episodes; the finished ones are kept in "
+                                   f"{episode_log.path}: the same command runs the others") from None
 
 
 def _select_videos(results: list, out_dir: Path, per_task: int) -> None:

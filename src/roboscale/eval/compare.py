@@ -8,7 +8,6 @@ protocols (seeds, max steps, episodes, image size...) are still compared, under 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 from roboscale.errors import ConfigError
 from roboscale.eval.plots import BarSeries, bar_chart
-from roboscale.eval.report import html_table, page, protocol_of, rate_with_interval
+from roboscale.eval.report import html_table, load_report, page, protocol_of, rate_with_interval
 from roboscale.eval.run_report import EVALS, best_evaluation, best_step, is_training_run, read_evals
 from roboscale.utils.io import atomic_write_bytes
 from roboscale.utils.stats import two_proportion_test
@@ -55,27 +54,15 @@ class Comparison:
     """Per run: how many tasks it shares with the first run (the mean row's difference is over those)."""
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("per_task"), dict):
-        raise ConfigError(f"{path}: not an evaluation report (no per_task results)")
-    return data
-
-
 def load_run(path: str | Path) -> LoadedRun:
     """An evaluation report directory (or its report.json), or a training run's best evaluation."""
     path = Path(path)
     if path.is_file() and path.name == "report.json":
-        return LoadedRun(path.parent.name, path, path, _read_json(path), "evaluation report")
+        return LoadedRun(path.parent.name, path, path, load_report(path), "evaluation report")
     if not path.is_dir():
         raise ConfigError(f"{path}: no such directory (expected an evaluation report or a training run)")
     if (path / "report.json").is_file():
-        report = _read_json(path / "report.json")
+        report = load_report(path / "report.json")
         return LoadedRun(str(report.get("label") or path.resolve().name), path, path / "report.json", report,
                          "evaluation report")
     if not is_training_run(path) and not (path / EVALS).is_file():
@@ -93,7 +80,7 @@ def load_run(path: str | Path) -> LoadedRun:
     report_path = path / str(best["report_dir"]) / "report.json"
     if not report_path.is_file():
         raise ConfigError(f"{report_path}: missing (the evaluation of step {best['step']} in {EVALS} names it)")
-    return LoadedRun(f"{path.resolve().name}@{best['step']}", path, report_path, _read_json(report_path),
+    return LoadedRun(f"{path.resolve().name}@{best['step']}", path, report_path, load_report(report_path),
                      f"training run, step {best['step']} ({how})")
 
 

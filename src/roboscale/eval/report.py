@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from html import escape
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from roboscale.errors import DatasetError
+from roboscale.eval.episode_log import EPISODE_FIELDS
 from roboscale.eval.plots import BarSeries, bar_chart
+from roboscale.eval.records import problem, read_json_object
 from roboscale.utils.io import atomic_write_bytes, atomic_write_json
 from roboscale.utils.stats import wilson_interval
 
@@ -59,11 +62,19 @@ TIMING_FIELDS = {
     "servers": ("inference servers", ""),
     "max_batch_size": ("max batch size", ""),
     "batch_timeout_ms": ("batch timeout", "ms"),
+    "inference_threads": ("torch threads per inference process (0: the cores over the processes)", ""),
     "episodes_run": ("episodes run", ""),
     "episodes_resumed": ("episodes resumed (from episodes.jsonl)", ""),
     "restarts": ("worker restarts", ""),
 }
 _SHARE_OF_WALL = ("sim_s", "render_s", "inference_s")  # summed over workers: may exceed wall time
+
+# What report.json must hold for `eval compare` and `roboscale report` to read it: (required, optional) fields.
+REPORT_FIELDS = ({"per_task": (dict,), "overall": (dict,)},
+                 {"episodes": (list,), "protocol": (dict,), "label": (str, None)})
+SUMMARY_FIELDS = ({"episodes": (int,), "success_rate": (float,), "mean_steps": (float,)},
+                  {"successes": (int,), "ci_low": (float, None), "ci_high": (float, None), "median_steps": (float,),
+                   "mean_steps_success": (float, None), "errors": (int,)})
 
 
 def _get(result: Any, name: str, default: Any = None) -> Any:
@@ -111,6 +122,26 @@ def summarize(results: list, tasks: list[str]) -> dict[str, Any]:
             "median_steps": float(statistics.median(steps)) if steps else 0.0,
         },
     }
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """A report.json whose summaries and episodes have the fields (and types) its readers use; anything else is
+    a one-line ``DatasetError`` naming the file and the field."""
+    report = read_json_object(path)
+    for record, fields, where in _report_parts(report):  # lazily: each part is reached only if its parent passed
+        wrong = problem(record, *fields, prefix=where)
+        if wrong:
+            raise DatasetError(path, wrong)
+    return report
+
+
+def _report_parts(report: dict[str, Any]) -> Iterator[tuple[Any, tuple, str]]:
+    yield report, REPORT_FIELDS, ""
+    for task, entry in report["per_task"].items():
+        yield entry, SUMMARY_FIELDS, f"per_task.{task}."
+    yield report["overall"], SUMMARY_FIELDS, "overall."
+    for i, episode in enumerate(report.get("episodes", [])):
+        yield episode, EPISODE_FIELDS, f"episodes[{i}]."
 
 
 def rate_with_interval(entry: dict[str, Any]) -> str:

@@ -7,7 +7,6 @@ checkpoint's per-task table and videos from its evaluation report. Also where a 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from html import escape
@@ -15,10 +14,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from roboscale.errors import ConfigError
+from roboscale.errors import ConfigError, DatasetError, one_line
 from roboscale.eval.plots import LineSeries, line_chart
+from roboscale.eval.records import json_lines, problem
 from roboscale.eval.report import (
     html_table,
+    load_report,
     page,
     per_task_html,
     protocol_html,
@@ -30,6 +31,14 @@ from roboscale.utils.io import atomic_write_bytes, read_json_lines
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"
+# An evals.jsonl line as the trainer writes it (train.evaluation): (required, optional) fields; a failed
+# evaluation has ``error`` instead of the numbers.
+EVAL_FIELDS = ({"step": (int,)},
+               {"success_rate": (float,), "error": (str,), "ci_low": (float, None), "ci_high": (float, None),
+                "episodes": (int,), "per_task": (dict,), "report_dir": (str,), "checkpoint": (str,),
+                "wall_s": (float,)})
+TASK_RATE_FIELDS = ({"success_rate": (float,)}, {"ci_low": (float, None), "ci_high": (float, None)})
+FIX_LINE = "fix or delete that line"
 # (metrics.jsonl key, y label, chart title, y values are fractions shown in %)
 CURVES = (
     ("loss", "loss", "Training loss", False),
@@ -42,20 +51,37 @@ CURVES = (
 CURVE_KEYS = {key for key, *_ in CURVES}
 
 
+def eval_records(run_dir: Path) -> list[dict[str, Any]]:
+    """evals.jsonl's lines (a torn last one skipped: it is being written, or a kill cut it); a line the trainer
+    did not write (not JSON, fields missing or of the wrong type) is a one-line error naming it."""
+    path = Path(run_dir) / EVALS
+    records = []
+    for number, record in json_lines(path, FIX_LINE):
+        wrong = problem(record, *EVAL_FIELDS) or _per_task_problem(record)
+        if not wrong and "success_rate" not in record and "error" not in record:
+            wrong = "neither 'success_rate' nor 'error'"
+        if wrong:
+            raise DatasetError(path, f"line {number}: {wrong}; {FIX_LINE}")
+        records.append(record)
+    return records
+
+
+def _per_task_problem(record: dict[str, Any]) -> str | None:
+    return next((wrong for task, entry in record.get("per_task", {}).items()
+                 if (wrong := problem(entry, *TASK_RATE_FIELDS, prefix=f"per_task.{task}."))), None)
+
+
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """The run's finished evaluations in step order; a step evaluated twice (a resumed run) keeps its last line."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for record in read_json_lines(Path(run_dir) / EVALS)[0]:
-        if isinstance(record.get("step"), int) and isinstance(record.get("success_rate"), (int, float)):
-            by_step[record["step"]] = record
+    by_step = {r["step"]: r for r in eval_records(run_dir) if "success_rate" in r}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def failed_evals(run_dir: Path) -> list[dict[str, Any]]:
     """Evaluations that failed (a line with ``error``) and were not later redone successfully, in step order."""
-    done = {e["step"] for e in read_evals(run_dir)}
-    failed = {r["step"]: r for r in read_json_lines(Path(run_dir) / EVALS)[0]
-              if isinstance(r.get("step"), int) and r.get("error") and r["step"] not in done}
+    records = eval_records(run_dir)
+    done = {r["step"] for r in records if "success_rate" in r}
+    failed = {r["step"]: r for r in records if r.get("error") and r["step"] not in done}
     return [failed[s] for s in sorted(failed)]
 
 
@@ -179,12 +205,11 @@ def _best_section(best: dict[str, Any] | None, how: str, run_dir: Path, page_dir
         why = "no evaluations yet" if how == "no evaluations" else f"{how} has no line in evals.jsonl"
         return [f"<p class='note'>No best checkpoint to show: {escape(why)}.</p>"]
     report_dir = run_dir / str(best.get("report_dir", ""))
-    path = report_dir / "report.json"
     try:
-        report = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return [f"<p class='note'>Step {best['step']} (chosen by {escape(how)}): its report {escape(str(path))} "
-                f"cannot be read ({escape(type(exc).__name__)}).</p>"]
+        report = load_report(report_dir / "report.json")
+    except DatasetError as exc:  # the rest of the page still holds: say what is wrong here
+        return [f"<p class='note'>Step {best['step']} (chosen by {escape(how)}): its report cannot be read: "
+                f"{escape(one_line(exc))}.</p>"]
     tasks = list(report.get("per_task", {}))
     out = [f"<p>Step <b>{best['step']}</b>, chosen by {escape(how)}: <b>{best['success_rate']:.0%}</b> mean success"
            + (f" (Wilson 95% interval {best['ci_low']:.0%}–{best['ci_high']:.0%})" if _number(best.get("ci_low"))

@@ -7,16 +7,25 @@ A normalizer may be wider than its data (``data_dim`` < ``dim``): a policy fine-
 or action size is a padded maximum (pi0.5: 32, GR00T: 64/32). Then, as openpi and LeRobot do, inputs of the data's
 width are zero-padded to ``dim`` (after normalization, a padded value stays 0), statistics of the data's width are
 padded with the identity's, and ``unnormalize`` crops its output back to the data's width.
+
+A degenerate q01..q99 band (``DEGENERATE_RANGE``: LeRobot's histogram quantiles can put q01 = q99 in a dimension
+whose values span 0..3) would scale that dimension by ~1e6 and train at a loss of ~1e12; such dimensions are
+normalized with min/max instead, said once in the log. The repair happens when statistics are set from a dataset
+(``set_stats``), not in ``normalize``: the buffers hold what the policy was trained with, so a checkpoint written
+before the repair still loads and behaves as it was trained.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class NormMode(str, Enum):
@@ -36,6 +45,9 @@ STAT_KEYS = {
 _LEGACY = ("a", "b")  # the buffer names of older checkpoints, in STAT_KEYS order
 # The statistics of padded dimensions: the identity map (0 -> 0, and back).
 _IDENTITY = {NormMode.MEAN_STD: (0.0, 1.0), NormMode.MIN_MAX: (-1.0, 1.0), NormMode.QUANTILES: (-1.0, 1.0)}
+DEGENERATE_RANGE = 1e-2
+"""A dimension's q01..q99 band narrower than this fraction of its min..max range is degenerate: its extreme values
+would normalize to ±200 or further (at q01 = q99, ±1e6 with the eps denominator) and dominate the loss."""
 
 
 class Normalizer(nn.Module):
@@ -68,8 +80,11 @@ class Normalizer(nn.Module):
                 f"normalization mode {self.mode.value!r} of {feature!r} needs stats {missing}; "
                 f"the dataset's stats.json has {sorted(stats)}"
             )
+        values = {key: torch.as_tensor(stats[key], dtype=torch.float32).reshape(-1) for key in keys}
+        if self.mode is NormMode.QUANTILES:
+            values = _min_max_where_degenerate(values, stats, feature)
         for key, fill in zip(keys, _IDENTITY.get(self.mode, ()), strict=True):
-            value = torch.as_tensor(stats[key], dtype=torch.float32).reshape(-1)
+            value = values[key]
             if self.data_dim and value.numel() == self.data_dim:  # the padded dimensions map 0 to 0
                 value = torch.cat([value, value.new_full((self.dim - self.data_dim,), fill)])
             if value.numel() != self.dim:
@@ -116,6 +131,27 @@ class NormStats:
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
         return _crop(_unnormalize(self.mode, self.stats, self.eps, x), self.data_dim)
+
+
+def _min_max_where_degenerate(quantiles: dict[str, torch.Tensor], stats: Mapping, feature: str
+                              ) -> dict[str, torch.Tensor]:
+    """q01/q99 with min/max in the dimensions whose q01..q99 band is degenerate (``DEGENERATE_RANGE``); stats
+    without min/max of the same size are left as they are (nothing to compare with)."""
+    if "min" not in stats or "max" not in stats:
+        return quantiles
+    low, high = quantiles["q01"], quantiles["q99"]
+    lo, hi = (torch.as_tensor(stats[k], dtype=torch.float32).reshape(-1) for k in ("min", "max"))
+    if not low.shape == high.shape == lo.shape == hi.shape:
+        return quantiles  # set_stats names the size that does not fit
+    degenerate = (high - low).double() < DEGENERATE_RANGE * (hi - lo).double()
+    if not degenerate.any():
+        return quantiles
+    dims = degenerate.nonzero().flatten().tolist()
+    d = dims[0]
+    log.warning("%s: the q01..q99 range of dims %s is under %g of their min..max range (dim %d: q01 %.6g, q99 %.6g, "
+                "min %.6g, max %.6g); those dims are normalized with min/max instead", feature or "a feature",
+                dims, DEGENERATE_RANGE, d, low[d], high[d], lo[d], hi[d])
+    return {"q01": torch.where(degenerate, lo, low), "q99": torch.where(degenerate, hi, high)}
 
 
 def _pad(x: torch.Tensor, dim: int, data_dim: int) -> torch.Tensor:

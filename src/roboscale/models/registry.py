@@ -11,7 +11,6 @@ another framework's checkpoints) or a method of the ``Policy`` contract (units t
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,14 +21,10 @@ import numpy as np
 from roboscale.config import register_lazy
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.models.config import PolicyConfig
+from roboscale.utils.imports import load as _load  # registered names only, never one read from a file
 
 if TYPE_CHECKING:
     from roboscale.models.policy import Policy
-
-
-def _load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from roboscale.utils.lifetime import run_owned
+
 
 class Channel(Protocol):
     def put(self, item: Any) -> None: ...
@@ -89,7 +91,8 @@ class LocalLauncher:
 
     def start(self, target: Callable[..., None], args: tuple, *, name: str, cpus: float = 1.0,
               gpus: float = 0.0) -> Handle:
-        process = self._context.Process(target=target, args=args, name=name, daemon=True)
+        # daemon: ended by our exit; run_owned: also by our death (kill -9 runs no exit handler)
+        process = self._context.Process(target=run_owned, args=(os.getpid(), target, *args), name=name, daemon=True)
         process.start()
         return _ProcessHandle(process, name)
 

@@ -10,12 +10,12 @@ this file, passing ``--env=package.module:SPEC_NAME``). See docs/architecture.md
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from roboscale.errors import ConfigError
+from roboscale.utils.imports import load
 
 
 class Step(NamedTuple):
@@ -68,14 +68,14 @@ BUILTIN: dict[str, str] = {"metaworld": "roboscale.sim.metaworld:ENV_SPEC"}
 
 def env_spec(name: str) -> EnvSpec:
     """The adapter registered as ``name``, or one given as ``module:attribute`` (imported lazily, also in the
-    rollout workers, which receive only this name)."""
+    rollout workers, which receive only this name). A ``module:attribute`` must come from the user's command line
+    or config file, never from a file a run reads (a checkpoint's config: ``roboscale.train.resume``)."""
     target = BUILTIN.get(name, name)
     if ":" not in target:
         raise ConfigError(f"unknown environment {name!r}; registered: {sorted(BUILTIN)} "
                           "(or give an adapter as package.module:SPEC)")
-    module_name, attribute = target.split(":", 1)
     try:
-        spec = getattr(importlib.import_module(module_name), attribute)
+        spec = load(target)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"environment {name!r}: cannot load {target} ({exc})") from None
     if not isinstance(spec, EnvSpec):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -20,8 +21,16 @@ import numpy as np
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.errors import RoboscaleError
-from roboscale.sim.metaworld import (ACTION_DIM, FPS, FULL_STATE_DIM, STATE_DIM, MetaWorldEnv, RenderConfig,
-                                     resolve_tasks)
+from roboscale.sim.metaworld import (
+    ACTION_DIM,
+    FPS,
+    FULL_STATE_DIM,
+    STATE_DIM,
+    MetaWorldEnv,
+    RenderConfig,
+    resolve_tasks,
+)
+from roboscale.utils.lifetime import run_owned
 
 # MetaWorld's scripted experts are proportional controllers with gains above 1 and warn, on every step that
 # saturates, that the environment clips their action to [-1, 1]. The clipping is what they are written for, and a
@@ -158,7 +167,7 @@ def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None
         while pending or running:
             while pending and len(running) < max(1, cfg.workers):
                 task = pending.pop(0)
-                proc = ctx.Process(target=_worker, args=(task, cfg, queue), daemon=True)
+                proc = ctx.Process(target=run_owned, args=(os.getpid(), _worker, task, cfg, queue), daemon=True)
                 proc.start()
                 running[task] = proc
             kind, task, payload = _get(queue, running)

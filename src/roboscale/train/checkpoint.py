@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -44,11 +46,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from roboscale.config import to_dict
 from roboscale.errors import CheckpointError
 from roboscale.utils.io import atomic_directory, fsync_dir, remove_stale_temporaries
+from roboscale.utils.lifetime import interrupted
 
 PRETRAINED = "pretrained_model"
 TRAINING_STATE = "training_state"
@@ -138,7 +143,14 @@ class CheckpointWriter:
                     writes.append(self._consolidated.submit(_write_pretrained, tmp / PRETRAINED, policy, full, config))
         except (OSError, SafetensorError, RuntimeError) as exc:  # a full disk, a quota, a vanished mount
             failed = exc
-        except CheckpointException as exc:  # DCP's, from a synchronous save
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: not a write error; nothing half-written stays
+            self._pending = _PendingSave(target, state_dir, commit, [])
+            raise self._interrupted(exc) from None
+        except CheckpointException as exc:  # DCP's, from a synchronous save (it wraps a Ctrl-C too)
+            interrupt = _wrapped(exc, KeyboardInterrupt)
+            if interrupt is not None:
+                self._pending = _PendingSave(target, state_dir, commit, [])
+                raise self._interrupted(interrupt) from None
             failed = _dcp_os_error(exc, state_dir)
         self._pending = _PendingSave(target, state_dir, commit, [w for w in writes if w is not None])
         self._check(failed)
@@ -171,6 +183,8 @@ class CheckpointWriter:
                     write.result()
             except (OSError, SafetensorError, RuntimeError) as exc:
                 failed = exc
+            except KeyboardInterrupt as exc:  # while waiting: the background write is abandoned, not committed
+                raise self._interrupted(exc) from None
             except CheckpointException as exc:
                 failed = _dcp_os_error(exc, pending.state_dir)
             self._check(failed)
@@ -195,6 +209,17 @@ class CheckpointWriter:
                                       no_dist=no_dist)
             dcp.save(sharded_state, checkpoint_id=where, no_dist=no_dist)
         return None
+
+    def _interrupted(self, interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
+        """Ctrl-C (or SIGTERM) during a save: this rank drops the save in flight without waiting for the others
+        (they are being interrupted too) and says which checkpoint is intact. Rank 0 removes the temporary."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self.env.is_main:
+            pending.commit.__exit__(type(interrupt), interrupt, None)
+        previous = last_checkpoint(self.checkpoints.parent)
+        kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
+        name = pending.target.name if pending is not None else "?"
+        return interrupted(interrupt, f"while checkpoint {name} was being written (not saved); {kept}")
 
     def _check(self, failed: BaseException | None) -> None:
         """Raise on every rank if any rank failed to write its part (the main rank's error names why)."""
@@ -351,11 +376,17 @@ def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env) ->
     sharded = state_dir / SHARDED
     if not (sharded / ".metadata").is_file():
         raise CheckpointError(sharded / ".metadata", "missing")
+    planner = _PlainDataPlanner()
+    index = _MetadataPickle()  # replaced by the one in use
     try:
-        with _quiet_dcp():
-            dcp.load(sharded_state, checkpoint_id=str(sharded), no_dist=not env.distributed)
+        with _quiet_dcp(), _metadata_unpickled_safely() as index:
+            dcp.load(sharded_state, storage_reader=FileSystemReader(str(sharded)), planner=planner,
+                     no_dist=not env.distributed)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a truncated shard, a missing one, a key
         # that changed. (DCP's CheckpointException is a BaseException carrying each rank's traceback as text.)
+        refused = index.refused or planner.refused  # (DCP may have tried another file after the refusal)
+        if refused is not None:
+            raise CheckpointError(sharded, f"refused: {refused}") from None
         raise CheckpointError(sharded, f"damaged or not this model's ({_dcp_reason(exc)})") from None
     rng_path = state_dir / rng_file(env.rank)
     return {
@@ -363,6 +394,74 @@ def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env) ->
         "loader": _read(state_dir / LOADER_STATE, _json),
         "rng": _read(rng_path, lambda p: load_file(str(p))["torch"]) if rng_path.exists() else None,
     }
+
+
+# A checkpoint is something a user can be handed. DCP reads its index (.metadata) with pickle and the non-tensor
+# entries of the state (optimizer hyperparameters) with torch.load(weights_only=False): either would run whatever
+# code a crafted file names. The index may only build the classes DCP's metadata is made of, and the entries only
+# what torch's weights-only unpickler accepts (plain data and tensors).
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _Refused(pickle.UnpicklingError):
+    """A checkpoint file names code (not a damaged one, which is any other error)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise _Refused(f"the checkpoint's index names {module}.{name}, which is not part of a "
+                                         "checkpoint (a crafted file?); nothing was loaded")
+        return super().find_class(module, name)
+
+
+class _MetadataPickle:
+    """``pickle`` as DCP's filesystem reader sees it while we load: ``load`` goes through the allow-list, and a
+    refusal is kept here (DCP catches it and tries other files)."""
+
+    def __init__(self) -> None:
+        self.refused: _Refused | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+    def load(self, file: Any) -> Any:
+        try:
+            return _MetadataUnpickler(file).load()
+        except _Refused as exc:
+            self.refused = exc
+            raise
+
+
+@contextlib.contextmanager
+def _metadata_unpickled_safely():
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    real, filesystem.pickle = filesystem.pickle, _MetadataPickle()
+    try:
+        yield filesystem.pickle
+    finally:
+        filesystem.pickle = real
+
+
+class _PlainDataPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with the state's non-tensor entries checked by torch's weights-only unpickler first."""
+
+    refused: _Refused | None = None
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        data = value.read()
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as exc:
+            self.refused = _Refused("an entry of the checkpoint's state is not plain data (a crafted file?): "
+                                    f"{str(exc).splitlines()[0]}")
+            raise self.refused from None
+        super().load_bytes(read_item, io.BytesIO(data))
 
 
 def _write_probe(directory: Path) -> OSError | None:
@@ -375,6 +474,18 @@ def _write_probe(directory: Path) -> OSError | None:
             os.fsync(f.fileno())
     except OSError as exc:
         return exc
+    return None
+
+
+def _wrapped(exc: BaseException, kind: type[BaseException]) -> Any:
+    """The ``kind`` of exception DCP caught on some rank and wrapped in its CheckpointException (or ``exc``
+    itself), if any: a Ctrl-C, SIGTERM's ``Terminated``, a refused unpickling."""
+    if isinstance(exc, kind):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, kind):
+            return inner
     return None
 
 

@@ -8,7 +8,7 @@ worth knowing about). ``poll()``, once per step, only asks the OS whether the pr
 (``Popen.poll``), so training never waits for an evaluation. ``finish()`` at the end of training waits for the
 running evaluation and runs the queued one (the final checkpoint's), so that ``best`` is final. ``close()`` kills
 the evaluation's process group on every way out of training (an error, Ctrl-C); a trainer killed outright takes
-its evaluation with it too (on Linux: a supervisor process that the kernel tells when the trainer dies).
+its evaluation with it too (a supervisor process that watches the trainer: ``roboscale.utils.lifetime``).
 
 Step N is evaluated by ``python -m roboscale eval --checkpoint=<output_dir>/checkpoints/<N> --output_dir=
 <output_dir>/eval/step_<N> ...`` (its output goes to ``eval.log`` there). When it ends:
@@ -311,30 +311,8 @@ def kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-# Linux: a trainer killed outright (SIGKILL, or SIGTERM, whose default action runs no finally) must not leave its
-# evaluation behind, with worker or server processes of its own. The evaluation runs under a small supervisor
-# that asks the kernel for SIGTERM when the trainer dies (prctl PR_SET_PDEATHSIG) and then kills its whole process
-# group; the same SIGTERM from close() does the same. The supervisor, not Popen's preexec_fn, makes the prctl
-# call: preexec_fn may deadlock in a process with threads (the trainer has them).
-_SUPERVISOR = """\
-import ctypes, os, signal, subprocess, sys
-
-def stop(*_):  # the evaluation's whole process group, this process included
-    os.killpg(0, signal.SIGKILL)
-
-signal.signal(signal.SIGTERM, stop)
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):  # the trainer died before the prctl
-    stop()
-code = subprocess.call(sys.argv[2:])
-if code < 0:  # killed by a signal: end the same way, so that the trainer reads the same status
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
-
-
+# A trainer killed outright (SIGKILL, or SIGTERM outside the command line) must not leave its evaluation behind,
+# with worker or server processes of its own: the evaluation runs under a supervisor that kills its whole process
+# group when the trainer ends (roboscale.utils.lifetime.supervise). The same SIGTERM from close() does the same.
 def _dies_with_this_process(argv: list[str]) -> list[str]:
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *argv]
+    return [sys.executable, "-m", "roboscale.utils.lifetime", str(os.getpid()), *argv]

@@ -28,7 +28,6 @@ On CPU torchao's emulation runs the same casts with fp32 matmuls (tests); real F
 
 from __future__ import annotations
 
-import importlib
 import logging
 from functools import partial
 
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from roboscale.errors import ConfigError
+from roboscale.utils.imports import load
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,7 @@ def fp8_filter_of(policy: nn.Module, min_features: int | None = None):
     spec = get_spec(policy.name)
     if spec.fp8_filter is None:
         raise ConfigError(f"--fp8: policy {policy.name!r} states no FP8 filter in its registry entry")
-    module, _, attr = spec.fp8_filter.partition(":")
-    function = getattr(importlib.import_module(module), attr)
+    function = load(spec.fp8_filter)
     return function if min_features is None else partial(function, min_features=min_features)
 
 

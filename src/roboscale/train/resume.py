@@ -3,7 +3,8 @@
 A resumed run continues the same run: options not given are the checkpoint's (``parse_train_args``), and an
 option that would change the model, the data order or the optimizer's trajectory is refused, each named with
 the checkpoint's value (``resume_conflicts``). A damaged checkpoint is an error naming the file and the command
-that resumes from the previous one instead (``resuming``).
+that resumes from the previous one instead (``resuming``). A checkpoint's config never names code to import: a
+``package.module:attribute`` it holds is refused unless the command line gives it again (``refuse_saved_code``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import Any
 from roboscale.config import to_dict
 from roboscale.configs.train import TrainConfig
 from roboscale.errors import CheckpointError, ConfigError
-
+from roboscale.utils.imports import is_code_name
 
 # Options a resumed run may change: they do not alter the model, the data order or the optimizer's trajectory
 # (steps moves the end of the cosine schedule, which is what a user extending a run wants).
 RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threads", "resume",
                      "eval.",  # evaluations during training read checkpoints; they do not change them
-                     "dataset.num_workers", "dataset.prefetch_factor",
+                     "dataset.num_workers", "dataset.prefetch_factor", "dataset.verify_lake_shards",
                      # how the same run is spread over ranks and devices: the loader's order and the update do not
                      # depend on them (a resume may change the number of ranks too)
                      "launcher", "ray.", "parallel.", "activation_checkpointing", "compile", "grad_accum",
@@ -94,7 +95,25 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     checkpoint = resume_checkpoint(Path(cfg.output_dir))
     with resuming(checkpoint):
         saved = saved_config(checkpoint)
-    return parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
+    merged = parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
+    refuse_saved_code(merged, cfg, checkpoint)
+    return merged
+
+
+def refuse_saved_code(merged: TrainConfig, given: TrainConfig, checkpoint: Path) -> None:
+    """A ConfigError for the first option of ``merged`` whose ``package.module:attribute`` value came from the
+    checkpoint rather than from ``given`` (the command line and --config alone): importing it would run code a
+    file names (under ``python -m``, even a module of the working directory)."""
+    from roboscale.train.checkpoint import PRETRAINED, TRAIN_CONFIG
+
+    stated = _flatten(to_dict(given))
+    for key, value in _flatten(to_dict(merged)).items():
+        values = value if isinstance(value, list) else [value]
+        if any(is_code_name(v) for v in values) and not _same(stated.get(key), value):
+            shown = ",".join(map(str, values))
+            raise ConfigError(f"{checkpoint / PRETRAINED / TRAIN_CONFIG}: --{key}={shown} names code to import, "
+                              "which a resume does not take from a checkpoint; to allow it, give "
+                              f"--{key}={shown} on the command line")
 
 
 def resume_checkpoint(output_dir: Path) -> Path:

@@ -123,11 +123,24 @@ class Trainer:
             try:
                 self.restore()
                 return self.loop()
+            except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (roboscale.utils.lifetime): say what is intact
+                if getattr(exc, "explained", False):
+                    raise
+                raise self.interrupted(exc) from None
             finally:  # stop the loader's workers and the evaluation in flight even when a step fails (or Ctrl-C)
                 if self.evaluations is not None:
                     self.evaluations.close()
                 self.telemetry.close()
                 self.loader.close()
+
+    def interrupted(self, exc: KeyboardInterrupt) -> KeyboardInterrupt:
+        from roboscale.train.checkpoint import last_checkpoint
+        from roboscale.utils.lifetime import interrupted
+
+        last = last_checkpoint(self.output_dir)
+        kept = (f"the last checkpoint, {last.name}, is intact (continue with --resume=true)" if last is not None
+                else "no checkpoint was saved")
+        return interrupted(exc, f"at step {self.step}; {kept}")
 
     @contextlib.contextmanager
     def _on_main(self, action: Callable[[], None]):
@@ -202,7 +215,9 @@ class Trainer:
 
         data = self.cfg.dataset
         entries = list(data.mixture.items()) if data.mixture else [(data.root, None)]
-        options = {"episodes": data.episodes} if data.episodes is not None else {}
+        options: dict[str, Any] = {"episodes": data.episodes} if data.episodes is not None else {}
+        if not data.verify_lake_shards:
+            options["verify_on_open"] = False
         sources = [open_source(path, **options) for path, _ in entries]
         return sources, [str(path) for path, _ in entries], [w for _, w in entries]
 
@@ -385,12 +400,14 @@ class Trainer:
         else:
             self.skipped_steps += 1
             self._nonfinite_in_a_row += 1
-            log.warning("step %d: loss %s, gradient norm %s: the update was skipped", self.step + 1,
-                        float(loss_value), float(grad_norm))
+            episodes = batch_episodes(micro, env.distributed)
+            log.warning("step %d: loss %s, gradient norm %s: the update was skipped (its batch: %s)",
+                        self.step + 1, float(loss_value), float(grad_norm), episodes)
             if self._nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
                 raise TrainingError(f"step {self.step + 1}: loss or gradient norm not finite in "
-                                    f"{self._nonfinite_in_a_row} steps in a row (--max_nonfinite_steps); the last "
-                                    "checkpoint is intact. Lower --optimizer.lr, check the data, or use fp32")
+                                    f"{self._nonfinite_in_a_row} steps in a row (--max_nonfinite_steps), the last "
+                                    f"one's batch: {episodes}; the last checkpoint is intact. Lower "
+                                    "--optimizer.lr, check the data (roboscale data validate), or use fp32")
         self.scheduler.step()
         self.step += 1
         return {"loss": loss_value, "grad_norm": grad_norm, "tokens": totals[2], "computed_tokens": totals[3],
@@ -543,6 +560,28 @@ def freeze(policy: torch.nn.Module, components: list[str]) -> None:
                               f"{', '.join(known)})")
         for p in chosen:
             p.requires_grad_(False)
+
+
+def batch_episodes(batches: list[Any], distributed: bool, shown: int = 20) -> str:
+    """'episodes 3, 7': the episodes of a step's samples, for a skipped step's messages: both policies' batches carry
+    ``episode_index`` (a dict key for GR00T, a PackedBatch field for pi0.5). Gathered from every rank, which all
+    skip the same step (its loss and gradient norm are global), so the collective cannot hang."""
+    found: set[int] = set()
+    for batch in batches:
+        index = batch.get("episode_index") if isinstance(batch, dict) else getattr(batch, "episode_index", None)
+        if isinstance(index, torch.Tensor):
+            found.update(e for e in index.reshape(-1).tolist() if e >= 0)  # -1: a sample without one
+    if distributed:
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, sorted(found))
+        found = set().union(*parts)
+    episodes = sorted(found)
+    if not episodes:
+        return "episodes unknown"
+    more = f", … ({len(episodes)} in all)" if len(episodes) > shown else ""
+    return f"episode{'s' if len(episodes) > 1 else ''} {', '.join(map(str, episodes[:shown]))}{more}"
 
 
 def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ replaced file) and content hashes.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -32,6 +33,57 @@ def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file's bytes."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class HashChecks:
+    """Whether files match their expected sha256, hashed once per version of a file (``file_identity``) on this
+    machine: remembered in this process (and the loader workers it starts) and, as an empty marker file per
+    (path, version, expected hash), under ``directory`` (``$ROBOSCALE_CACHE_DIR``, else ``~/.cache/roboscale``,
+    then ``verified/``) for every process and later run of this user. Without that, each loader worker of each
+    rank hashed every file it read once per run: a host of 8 ranks x 8 workers read a whole lake 64 times before
+    its first epoch ended. Processes that would hash the same file at once take turns (flock), so the second
+    finds the first's marker. A version changes when a file is rewritten or replaced; bytes that decay in place
+    keep theirs, which ``fresh=True`` (`roboscale lake verify`: hash again whatever is remembered) is for. Where
+    the directory cannot be written, each process hashes for itself."""
+
+    def __init__(self, directory: str | Path | None = None):
+        if directory is None:
+            base = os.environ.get("ROBOSCALE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                       "roboscale")
+            directory = os.path.join(base, "verified")
+        self.directory = Path(directory)
+        self._known: dict[str, tuple[tuple[int, int, int, int], bool]] = {}
+
+    def matches(self, path: str | Path, sha256: str, *, identity: tuple[int, int, int, int] | None = None,
+                fresh: bool = False) -> bool:
+        identity = identity or file_identity(path)
+        known = None if fresh else self._known.get(str(path))
+        if known is None or known[0] != identity:
+            known = (identity, self._check(Path(path), identity, sha256, fresh))
+            self._known[str(path)] = known
+        return known[1]
+
+    def _check(self, path: Path, identity: tuple[int, int, int, int], sha256: str, fresh: bool) -> bool:
+        marker = self.directory / sha256_bytes(str(path.absolute()).encode(), repr(identity).encode(),
+                                               sha256.encode())
+        if marker.exists() and not fresh:
+            return True
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = open(self.directory / f".{marker.name[:2]}.lock", "a")
+        except OSError:  # nowhere to share the result: this process hashes for itself
+            return sha256_file(path) == sha256
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if marker.exists() and not fresh:  # another process hashed it while we waited
+                return True
+            matches = sha256_file(path) == sha256
+            if matches:
+                with contextlib.suppress(OSError):
+                    marker.touch()
+            else:
+                marker.unlink(missing_ok=True)
+        return matches
 
 
 def sha256_bytes(*parts: bytes) -> str:

@@ -513,7 +513,7 @@ def test_corrupt_shard_is_detected_by_checksum_and_repaired(lake: Path, sources:
     data = bytearray(target.read_bytes())
     data[-100] ^= 0xFF  # same size: only the checksum can tell
     target.write_bytes(bytes(data))
-    LakeSource(copy)  # without verify nothing is hashed
+    LakeSource(copy)  # without verify construction hashes no shard (each is hashed when first opened)
     with pytest.raises(DatasetError, match="sha256") as err:
         LakeSource(copy, verify=True)
     assert str(target) in str(err.value)

@@ -296,6 +296,10 @@ def test_truncated_parquet(v21_copy: Path, tmp_path: Path) -> None:
         ({"codebase_version": "v3.0"}, "codebase_version"),
         ({"fps": 29.97}, "fps"),
         ({"data_path": "data/{nope}.parquet"}, "data_path"),
+        # templates are metadata: no attribute access, nothing outside the dataset (issue 18)
+        ({"data_path": "data/{episode_index.__class__}.parquet"}, "data_path"),
+        ({"data_path": "../elsewhere/episode_{episode_index:06d}.parquet"}, "data_path"),
+        ({"video_path": "/elsewhere/{video_key}/episode_{episode_index:06d}.mp4"}, "video_path"),
     ],
 )
 def test_bad_info(v21_copy: Path, tmp_path: Path, edit: dict, field: str) -> None:

@@ -146,6 +146,59 @@ def test_an_epoch_visits_each_frame_once_and_epochs_reshuffle(small_root):
     assert sum(_take_ids(other, per_epoch), []) != first
 
 
+class _CountingReads:
+    """Wraps a source's ``read``: how many frames each call asked for."""
+
+    def __init__(self, source):
+        self.read, self.frames = source.read, []
+        source.read = self
+
+    def __call__(self, episode, frames, keys):
+        self.frames.append(len(frames))
+        return self.read(episode, frames, keys)
+
+
+def test_an_epoch_that_is_one_block_decodes_its_frames_once_and_serves_the_same_batches(small_root):
+    """With the whole dataset in one block, every epoch reads the same frames: the first decodes them, the next
+    ones reuse them (with 0 loader workers each epoch's decode stalled training at its first batch)."""
+    keys = ["observation.images.front", "observation.state", "action"]
+    dt = {"action": [0.0, 0.1, 0.2]}
+    kept = build_loader(open_source(small_root), batch_size=4, num_workers=0, keys=keys, delta_timestamps=dt, seed=5)
+    fresh = build_loader(open_source(small_root), batch_size=4, num_workers=0, keys=keys, delta_timestamps=dt, seed=5,
+                         block_samples=sum(SMALL_LENGTHS))  # one block too; decoding again each epoch:
+    fresh._dataset.keep_decoded = False
+    assert kept._dataset.keep_decoded
+    reads = _CountingReads(kept.sources[0])
+    n = kept.batches_per_epoch
+    for _ in range(3 * n):
+        a, b = next(kept), next(fresh)
+        assert _ids(a) == _ids(b)
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert torch.equal(a[key], b[key]), key
+    first_epoch = len(reads.frames)
+    assert first_epoch >= len(SMALL_LENGTHS)  # each episode read in the first epoch
+    # later epochs read only frames the first epoch's cut to whole batches left out (at most once each)
+    assert sum(reads.frames[first_epoch:]) <= sum(SMALL_LENGTHS) - n * 4 + 2 * len(SMALL_LENGTHS)
+
+
+def test_in_the_training_process_a_blocks_batches_are_built_as_they_are_taken(small_root):
+    """0 loader workers: a block's per-sample transforms run for the batch being taken, not for the whole block
+    at its first batch (an epoch-start stall of the training loop)."""
+    calls = []
+
+    def counting(sample):
+        calls.append(1)
+        return sample
+
+    loader = build_loader(small_root, batch_size=4, num_workers=0, keys=["action"], transform=counting,
+                          multiprocessing_context="fork")
+    assert loader.batches_per_epoch > 2
+    for taken in range(1, 4):
+        next(loader)
+        assert len(calls) == 4 * taken
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_without_shuffle_samples_come_in_dataset_order(small_root, workers):
     loader = build_loader(small_root, batch_size=5, num_workers=workers, keys=["action"], shuffle=False)

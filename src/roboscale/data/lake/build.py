@@ -15,7 +15,8 @@ temporary name, fsynced and renamed; its ``shard.json`` carries a fingerprint of
 (``roboscale.data.lake.planning``). A rebuild skips every shard whose fingerprint matches, so a killed build
 resumes where it stopped, and appending a source reuses every shard of the sources before it; ``repair`` also
 hashes finished shards and rebuilds those that differ from their record. The manifest is removed when anything
-must be rebuilt and written last. One build at a time writes a lake (``build_lock``). A shard whose episode fails
+must be rebuilt and written last. One build at a time writes a lake (``build_lock``), and only into a directory
+it can tell is its own, deleting only shards it wrote (``roboscale.data.lake.journal``). A shard whose episode fails
 is reported by file, episode and field after the other shards have finished, and a rerun resumes.
 """
 
@@ -34,11 +35,19 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from roboscale.configs.lake import LakeConfig
-from roboscale.data.lake.format import LOCK_NAME, MANIFEST, SHARDS_DIR, STAGING_DIR
+from roboscale.data.lake.format import LOCK_NAME, MANIFEST, STAGING_DIR
+from roboscale.data.lake.journal import (
+    check_output,
+    forget_shards,
+    record_shards,
+    remove_abandoned_temporaries,
+    remove_stale_shards,
+)
 from roboscale.data.lake.manifest import manifest_is_current, manifest_record, read_shard_meta, write_tables
 from roboscale.data.lake.planning import ShardSpec, SourcePlan, lake_features, plan_shards, plan_sources
 from roboscale.data.lake.ray import BuildShardTask, check_reachable, ensure_ray, raise_task_errors, ray_map
 from roboscale.data.lake.shards import BuildContext
+from roboscale.data.lake.staging import local_path
 from roboscale.data.lake.stats import merge_stats
 from roboscale.errors import ConfigError, DatasetError
 from roboscale.utils.io import atomic_write_json, exclusive_lock, sha256_file
@@ -93,10 +102,16 @@ def build_lake(cfg: LakeConfig, *, tokenize: Tokenize | None = None, vocab_size:
         check_reachable(cfg.ray_address)
     started = time.perf_counter()
     out = Path(cfg.output).expanduser().resolve()
+    check_output(out, _local_sources(cfg, filesystems))
     plans, tasks = plan_sources(cfg, out / STAGING_DIR, filesystems)  # validation first: no output dir for bad input
     out.mkdir(parents=True, exist_ok=True)
     with build_lock(out):
         return _build_locked(cfg, out, plans, tasks, started, tokenize, vocab_size)
+
+
+def _local_sources(cfg: LakeConfig, filesystems: Sequence[pafs.FileSystem | None] | None) -> list[Path]:
+    found = (local_path(uri, filesystems[i] if filesystems else None) for i, uri in enumerate(cfg.sources))
+    return [path for path in found if path is not None]
 
 
 def _build_locked(cfg: LakeConfig, out: Path, plans: list[SourcePlan], tasks: list[str], started: float,
@@ -112,10 +127,12 @@ def _build_locked(cfg: LakeConfig, out: Path, plans: list[SourcePlan], tasks: li
              len(plans), sum(len(p.episode_ids) for p in plans), sum(s.num_frames for s in specs), len(specs),
              len(todo), len(specs) - len(todo))
     tokens, tokenizer = _token_ids(tasks, cfg.tokenizer, tokenize, vocab_size)
+    names = [s.name for s in specs]
     if not todo and manifest_is_current(out, cfg, specs, tokenizer):  # nothing changed: no Ray, no stats pass
-        names = [s.name for s in specs]
         return BuildReport(out, [], names, sum(len(p.episode_ids) for p in plans), sum(s.num_frames for s in specs),
                            time.perf_counter() - started)
+    record_shards(out, names)  # before any shard is written: a rerun of a killed build knows the directory as ours
+    remove_abandoned_temporaries(out, names)
     (out / MANIFEST).unlink(missing_ok=True)  # the lake is incomplete until the new manifest is written
     owns_ray = ensure_ray(cfg)
     try:
@@ -137,10 +154,11 @@ def _build_locked(cfg: LakeConfig, out: Path, plans: list[SourcePlan], tasks: li
             import ray
 
             ray.shutdown()
-    _remove_stale_shards(out, {s.name for s in specs})
+    remove_stale_shards(out, set(names))
     write_tables(out, plans, specs, tasks, tokens)
     atomic_write_json(out / MANIFEST, manifest_record(cfg, plans, specs, metas, ctx, tasks, tokenizer, stats, errors,
                                                       out), indent=1)
+    forget_shards(out, names)
     report = BuildReport(out, built=[s.name for s in specs if s.shard in built and not built[s.shard]["skipped"]],
                          episodes=sum(len(p.episode_ids) for p in plans), frames=sum(s.num_frames for s in specs))
     report.skipped = [s.name for s in specs if s.name not in report.built]
@@ -161,12 +179,3 @@ def _remove_damaged_shards(ctx: BuildContext, specs: Sequence[ShardSpec]) -> Non
                 shutil.rmtree(path)
                 break
 
-
-def _remove_stale_shards(out: Path, keep: set[str]) -> None:
-    """Shards of an earlier plan that this one no longer has (fewer episodes, other shard size)."""
-    shards = out / SHARDS_DIR
-    if not shards.is_dir():
-        return
-    for path in shards.iterdir():
-        if path.name not in keep:
-            shutil.rmtree(path, ignore_errors=True)

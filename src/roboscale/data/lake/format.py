@@ -11,6 +11,8 @@ Format (``"format": "roboscale-lake"``, version 1)::
         columns.parquet               numeric columns (state, action, ..., index columns), uncompressed
         stats.safetensors             mergeable stats partials of this shard (moments, pixel histograms)
         shard.json                    fingerprint, episodes, file sizes and sha256
+    OUT/.build-journal.json           every shard name a build of this lake may have left on disk: what a later
+                                      build may remove (and nothing else), and how it knows a partial build is its own
 
 Nothing here imports more than the standard library: the loader's source registry reads these names to recognise
 a lake without loading the lake's code.
@@ -31,3 +33,20 @@ SHARD_COLUMNS = "columns.parquet"
 SHARD_STATS = "stats.safetensors"
 STAGING_DIR = ".staging"
 LOCK_NAME = ".build.lock"  # held while a build writes the lake (see roboscale.data.lake.build.build_lock)
+JOURNAL = ".build-journal.json"
+JOURNAL_FORMAT = "roboscale-lake-build"
+
+
+def unsafe_path(value: object) -> str | None:
+    """Why ``value``, a path from a manifest or journal, could leave the directory it is joined to (None: it
+    cannot). Lexical on purpose: an absolute path, an empty, ``.`` or ``..`` component are refused, while a symlink
+    a user placed inside the lake keeps working."""
+    if not isinstance(value, str) or not value:
+        return f"expected a non-empty relative path, got {value!r}"
+    if "\0" in value:
+        return f"{value!r} holds a NUL byte"
+    if value.startswith("/"):
+        return f"{value!r} is an absolute path; paths in a lake are relative to it"
+    if any(part in ("", ".", "..") for part in value.split("/")):
+        return f"{value!r} has an empty, '.' or '..' component; paths in a lake stay inside it"
+    return None

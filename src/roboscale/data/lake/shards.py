@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from roboscale.data.lerobot.stats import ByteHistogram, Histogram, Moments
 from roboscale.data.loading.source import open_source
 from roboscale.errors import DatasetError
 from roboscale.utils.images import fitted_size, resize_with_pad
-from roboscale.utils.io import atomic_write_json, fsync_dir
+from roboscale.utils.io import atomic_write_json, fsync_dir, make_temporary_directory
 
 _RESIZE_CHUNK = 64  # frames per resize call: bounds the temporary buffers
 
@@ -88,8 +87,8 @@ def build_shard(spec: ShardSpec, ctx: BuildContext) -> dict[str, Any]:
     existing = read_shard_meta(final)
     if existing is not None and existing.get("fingerprint") == spec.fingerprint:
         return {**existing, "skipped": True}
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", suffix=".tmp", dir=final.parent))
+    # locked while this task lives: the next build removes it only once abandoned (remove_stale_temporaries)
+    tmp, lock = make_temporary_directory(final)
     try:
         meta = _write_shard(spec, ctx, tmp)
         old = final.with_name(f".{spec.name}.old")
@@ -101,6 +100,7 @@ def build_shard(spec: ShardSpec, ctx: BuildContext) -> dict[str, Any]:
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
     return {**meta, "skipped": False}
 
 

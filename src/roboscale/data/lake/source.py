@@ -7,8 +7,14 @@ sha256 always checked: they are small) and nothing else, so the source is cheap 
 loader workers. A worker opens a shard on first use: the camera ``.npy`` files are memory-mapped (``np.load(...,
 mmap_mode="r")``: pages come from the page cache, nothing is decoded) and ``columns.parquet`` is read into numpy.
 At most ``max_open_shards`` shards are open per process (LRU), so resident memory does not grow with the lake.
-Each opened file's size is checked against the manifest (catches truncation for free); ``verify=True``
-additionally hashes every shard file (sha256) at construction, and ``verify_checksums()`` does it on demand.
+Each opened file's size is checked against the manifest (catches truncation for free), and its sha256 when it is
+first opened (``verify_on_open``, on by default: altered bytes of the same size would otherwise train silently).
+A file is hashed once per version of it (``utils.io.file_identity``) on a machine, whatever the number of
+processes and runs reading it (``utils.io.HashChecks``): a shard the LRU evicted costs a stat per file when it is
+opened again. A mismatch is a ``DatasetError`` naming the file, which the loader reports, or skips the shard's
+episodes with ``skip_bad_episodes``. ``verify=True`` hashes every shard file again at construction (``roboscale
+lake verify``), and ``verify_checksums()`` does it on demand. Every path made from the manifest is checked to
+stay inside the lake (``format.unsafe_path``) when the manifest is read.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from roboscale.data.lake.format import (
     SHARDS_DIR,
     SUPPORTED_VERSIONS,
     TASKS_FILE,
+    unsafe_path,
 )
 from roboscale.data.lerobot.format import column_to_numpy
 from roboscale.errors import DatasetError
-from roboscale.utils.io import sha256_file
+from roboscale.utils.io import HashChecks, file_identity
 
 
 class _OpenShard:
@@ -49,11 +56,15 @@ class LakeSource:
 
     Episodes are the lake's (``episode_ids`` = 0..E-1 over all sources, in build order); ``provenance(i)`` says
     which source dataset and episode each came from. ``task_tokens`` holds the precomputed token ids per task
-    when the lake was built with a tokenizer (else None)."""
+    when the lake was built with a tokenizer (else None). ``verify_on_open=False`` trusts shard bytes of the
+    manifest's sizes without hashing them (see the module doc)."""
 
-    def __init__(self, root: str | Path, *, verify: bool = False, max_open_shards: int = 8):
+    def __init__(self, root: str | Path, *, verify: bool = False, verify_on_open: bool = True,
+                 max_open_shards: int = 8):
         self.root = Path(root)
         self.max_open_shards = max(1, int(max_open_shards))
+        self.verify_on_open = verify_on_open
+        self._hashes = HashChecks()  # each file hashed once per version on this machine, not once per process
         self.manifest = self._read_manifest()
         m = self.manifest
         self.features: dict[str, dict[str, Any]] = m["features"]
@@ -65,7 +76,7 @@ class LakeSource:
         } or None
         self.quantile_error = {k: np.asarray(v) for k, v in m.get("stats_quantile_error", {}).items()}
         for name, record in m["tables"].items():
-            self._check_file(self.root / name, record, checksum=True)
+            self._check_file(self.root / name, record, checksum=True, fresh=True)  # small: every time
         episodes = pq.read_table(self.root / EPISODES_FILE)
         self._episodes = {name: episodes[name].to_numpy() for name in episodes.column_names}
         tasks = pq.read_table(self.root / TASKS_FILE)
@@ -102,25 +113,28 @@ class LakeSource:
         for key in ("features", "fps", "camera_keys", "numeric_keys", "shards", "tables", "stats", "total_episodes"):
             if key not in manifest:
                 raise DatasetError(path, "missing", field=key)
+        _check_paths(path, manifest)
         return manifest
 
-    def _check_file(self, path: Path, record: Mapping[str, Any], checksum: bool) -> None:
+    def _check_file(self, path: Path, record: Mapping[str, Any], checksum: bool, fresh: bool = False) -> None:
         try:
-            size = path.stat().st_size
+            identity = file_identity(path)
         except FileNotFoundError:
             raise DatasetError(path, f"lake file listed in {MANIFEST} not found") from None
+        size = identity[2]
         if size != record["bytes"]:
             raise DatasetError(path, f"size {size} B differs from the manifest's {record['bytes']} B (truncated or "
-                                     "rewritten); rebuild this shard with `roboscale lake build`", field="bytes")
-        if checksum and sha256_file(path) != record["sha256"]:
-            raise DatasetError(path, "sha256 differs from the manifest (corrupt file); delete the shard and rerun "
-                                     "`roboscale lake build` to rebuild it", field="sha256")
+                                     "rewritten); rebuild the shard with `roboscale lake build ... --repair`",
+                               field="bytes")
+        if checksum and not self._hashes.matches(path, record["sha256"], identity=identity, fresh=fresh):
+            raise DatasetError(path, "sha256 differs from the manifest (corrupt file); rebuild the shard with "
+                                     "`roboscale lake build ... --repair`", field="sha256")
 
     def verify_checksums(self) -> None:
         """Hash every shard file and compare with the manifest; the first mismatch raises, naming the file."""
-        for shard in self._shards:
+        for shard in self._shards:  # on demand means now: nothing hashed earlier is taken on trust
             for name, record in shard["files"].items():
-                self._check_file(self.root / SHARDS_DIR / shard["name"] / name, record, checksum=True)
+                self._check_file(self._shard_dir(shard) / name, record, checksum=True, fresh=True)
 
     # ------------------------------------------------------------------ FrameSource
 
@@ -167,7 +181,9 @@ class LakeSource:
         return out
 
     def unreadable_episodes(self) -> dict[int, str]:
-        return {}  # every shard was decoded and checked when the lake was built; `lake verify` re-hashes them
+        # every shard was decoded and checked when the lake was built; each is hashed when first opened
+        # (verify_on_open), not here: up front, that would read the whole lake before the first batch
+        return {}
 
     def close(self) -> None:
         self._reset_handles()
@@ -193,9 +209,9 @@ class LakeSource:
             self._open_shards.move_to_end(index)
             return shard
         meta = self._shards[index]
-        base = self.root / SHARDS_DIR / meta["name"]
+        base = self._shard_dir(meta)
         for name, record in meta["files"].items():
-            self._check_file(base / name, record, checksum=False)
+            self._check_file(base / name, record, checksum=self.verify_on_open)
         frames = {}
         for key in self.camera_keys:
             path = base / f"{key}.npy"
@@ -213,3 +229,25 @@ class LakeSource:
         while len(self._open_shards) > self.max_open_shards:
             self._open_shards.popitem(last=False)  # dropping the memmap unmaps it
         return shard
+
+    def _shard_dir(self, meta: Mapping[str, Any]) -> Path:
+        return self.root / SHARDS_DIR / meta["name"]
+
+
+def _check_paths(manifest_path: Path, manifest: Mapping[str, Any]) -> None:
+    """Every path this reader makes from the manifest stays inside the lake: a shard named ``../../x`` would read
+    (and verify) files elsewhere. One-line errors naming the manifest's field."""
+    for key, kind in (("tables", dict), ("camera_keys", list), ("shards", list)):
+        if not isinstance(manifest[key], kind):
+            raise DatasetError(manifest_path, f"expected a JSON {'object' if kind is dict else 'list'}", field=key)
+    names: list[tuple[str, object]] = [("tables", name) for name in manifest["tables"]]
+    names += [("camera_keys", key) for key in manifest["camera_keys"]]  # -> shards/NAME/<key>.npy
+    for i, shard in enumerate(manifest["shards"]):
+        if not isinstance(shard, dict) or not isinstance(shard.get("files"), dict):
+            raise DatasetError(manifest_path, "expected an object with 'name' and 'files'", field=f"shards[{i}]")
+        names.append((f"shards[{i}].name", shard.get("name")))
+        names += [(f"shards[{i}].files", name) for name in shard["files"]]
+    for field, name in names:
+        problem = unsafe_path(name)
+        if problem is not None:
+            raise DatasetError(manifest_path, problem, field=field)

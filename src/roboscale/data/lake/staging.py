@@ -73,19 +73,30 @@ def _staged_copy_is_current(dst: Path, remote: pafs.FileInfo) -> bool:
     return local.st_size == remote.size and (remote.mtime_ns is None or local.st_mtime_ns == remote.mtime_ns)
 
 
-def stage_source(uri: str, index: int, staging: Path, filesystem: pafs.FileSystem | None = None) -> SourceHandle:
-    """Resolve ``uri`` through ``pyarrow.fs.FileSystem.from_uri`` (plain paths are local); stage ``meta/`` of a
-    remote source. ``filesystem`` overrides the resolution (``uri`` is then a path inside it)."""
+def _locate(uri: str, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem | None, str]:
+    """(None, the local path) for a local source, else (its filesystem, the path inside it)."""
+    path = uri
     if filesystem is None:
         if "://" not in uri:
-            return SourceHandle(index, uri, Path(uri).expanduser().resolve())
+            return None, str(Path(uri).expanduser().resolve())
         try:
             filesystem, path = pafs.FileSystem.from_uri(uri)
         except (pa.ArrowException, ValueError) as e:
             raise ConfigError(f"source {uri!r}: cannot open through pyarrow.fs: {e}") from None
-    else:
-        path = uri
-    if isinstance(filesystem, pafs.LocalFileSystem):
+    return (None, path) if isinstance(filesystem, pafs.LocalFileSystem) else (filesystem, path)
+
+
+def local_path(uri: str, filesystem: pafs.FileSystem | None = None) -> Path | None:
+    """Where a local source lives on this machine (None for a remote one); resolved as ``stage_source`` does."""
+    remote, path = _locate(uri, filesystem)
+    return Path(path) if remote is None else None
+
+
+def stage_source(uri: str, index: int, staging: Path, filesystem: pafs.FileSystem | None = None) -> SourceHandle:
+    """Resolve ``uri`` through ``pyarrow.fs.FileSystem.from_uri`` (plain paths are local); stage ``meta/`` of a
+    remote source. ``filesystem`` overrides the resolution (``uri`` is then a path inside it)."""
+    filesystem, path = _locate(uri, filesystem)
+    if filesystem is None:
         return SourceHandle(index, uri, Path(path))
     local = staging / f"source-{index:03d}-{sha256_bytes(uri.encode())[:12]}"
     handle = SourceHandle(index, uri, local, filesystem, path.rstrip("/"))

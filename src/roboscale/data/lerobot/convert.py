@@ -126,26 +126,23 @@ class V2Source:
         return ep // int(self.info.get("chunks_size") or fmt.DEFAULT_CHUNKS_SIZE)
 
     def data_path(self, ep: int) -> Path:
-        return self.root / self.info["data_path"].format(episode_chunk=self._chunk(ep), episode_index=ep)
+        return fmt.dataset_path(self.root, self.info["data_path"], "data_path", episode_chunk=self._chunk(ep),
+                                episode_index=ep)
 
     def video_path(self, ep: int, key: str) -> Path:
-        return self.root / self.info["video_path"].format(episode_chunk=self._chunk(ep), episode_index=ep,
-                                                          video_key=key)
+        return fmt.dataset_path(self.root, self.info["video_path"], "video_path", episode_chunk=self._chunk(ep),
+                                episode_index=ep, video_key=key)
 
 
-def _check_templates(info: Mapping[str, Any], path: Path, has_video: bool) -> None:
-    names = [("data_path", {"episode_chunk": 0, "episode_index": 0})]
-    if has_video:
-        names.append(("video_path", {"episode_chunk": 0, "episode_index": 0, "video_key": "k"}))
-    for key, args in names:
-        template = info.get(key)
-        try:
-            if not isinstance(template, str):
-                raise TypeError
-            template.format(**args)
-        except (KeyError, IndexError, ValueError, TypeError):
-            raise DatasetError(path, f"must be a v2.x path template using {sorted(args)}, got {template!r}",
-                               field=key) from None
+def _check_templates(info: Mapping[str, Any], path: Path, video_keys: list[str]) -> None:
+    fmt.check_template(info.get("data_path"), fmt.V2_DATA_PATH_FIELDS, path, "data_path")
+    fmt.dataset_path(path.parent.parent, info["data_path"], "data_path", episode_chunk=0, episode_index=0)
+    if video_keys:
+        fmt.check_template(info.get("video_path"), fmt.V2_VIDEO_PATH_FIELDS, path, "video_path")
+    for key in video_keys:  # a camera's name is a directory of its videos, here and in the copy: it must stay one
+        fmt.dataset_path(path.parent.parent, info["video_path"], "video_path", episode_chunk=0, episode_index=0,
+                         video_key=key)
+        fmt.dataset_path(path.parent.parent, fmt.DEFAULT_VIDEO_PATH, key, video_key=key, chunk_index=0, file_index=0)
 
 
 def _read_v2_info(root: Path) -> tuple[dict[str, Any], int]:
@@ -174,7 +171,7 @@ def _read_v2_info(root: Path) -> tuple[dict[str, Any], int]:
     for key, ft in features.items():
         if not isinstance(ft, dict) or not isinstance(ft.get("dtype"), str) or not isinstance(ft.get("shape"), list):
             raise DatasetError(path, "feature needs 'dtype' and 'shape'", field=key)
-    _check_templates(info, path, any(f["dtype"] == "video" for f in features.values()))
+    _check_templates(info, path, [k for k, f in features.items() if f["dtype"] == "video"])
     return info, fps
 
 
@@ -355,8 +352,8 @@ class _RemuxShards:
         self._frames = 0  # frames in the open shard: the next episode starts at _frames / fps
 
     def _path(self) -> Path:
-        return self._root / fmt.DEFAULT_VIDEO_PATH.format(video_key=self._key, chunk_index=self.chunk,
-                                                          file_index=self.file)
+        return fmt.dataset_path(self._root, fmt.DEFAULT_VIDEO_PATH, "video_path", video_key=self._key,
+                                chunk_index=self.chunk, file_index=self.file)
 
     def _start_shard(self, template: av.VideoStream, signature: tuple[Any, ...]) -> None:
         if self._out is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import string
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ EPISODES_DIR = "meta/episodes"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 DEFAULT_DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 DEFAULT_VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+
+# The fields each path template may use: v3.0 info.json's, and the v2.x ones the converter reads.
+DATA_PATH_FIELDS = ("chunk_index", "file_index")
+VIDEO_PATH_FIELDS = ("video_key", "chunk_index", "file_index")
+V2_DATA_PATH_FIELDS = ("episode_chunk", "episode_index")
+V2_VIDEO_PATH_FIELDS = ("episode_chunk", "episode_index", "video_key")
 
 DEFAULT_CHUNKS_SIZE = 1000
 DEFAULT_DATA_FILE_SIZE_MB = 100
@@ -260,13 +267,85 @@ def read_info(root: str | Path) -> DatasetInfo:
     for key in ("total_episodes", "total_frames"):
         if not isinstance(raw.get(key), int):
             raise DatasetError(path, f"must be an integer, got {raw.get(key)!r}", field=key)
-    if not isinstance(raw.get("data_path", DEFAULT_DATA_PATH), str):
-        raise DatasetError(path, "must be a path template string", field="data_path")
     known = {k: raw[k] for k in _INFO_KEY_ORDER if k in raw}
     info = DatasetInfo(**known)
+    root = path.parent.parent
+    check_template(info.data_path, DATA_PATH_FIELDS, path, "data_path")
+    dataset_path(root, info.data_path, "data_path", chunk_index=0, file_index=0)  # "../{chunk_index}": now
     if info.video_keys and not isinstance(info.video_path, str):
         raise DatasetError(path, "dataset has video features but no video_path template", field="video_path")
+    if info.video_path is not None:
+        check_template(info.video_path, VIDEO_PATH_FIELDS, path, "video_path")
+    for key in info.video_keys:  # a camera's name is a directory of its videos: it must stay one
+        dataset_path(root, info.video_path, "video_path", video_key=key, chunk_index=0, file_index=0)
     return info
+
+
+# --------------------------------------------------------------------------------------------------- paths
+
+# Values of the right type for each template field, to check a template's format specs before any real value.
+_SAMPLE_VALUES: dict[str, Any] = {"video_key": "observation.images.cam", "chunk_index": 0, "file_index": 0,
+                                  "episode_chunk": 0, "episode_index": 0}
+
+
+def check_template(template: Any, fields: Collection[str], path: Path, key: str) -> str:
+    """``template`` if it is a path template over ``fields`` alone, else a DatasetError naming ``path`` and ``key``.
+
+    A template is metadata from the dataset: ``str.format`` would also evaluate attribute and index access
+    (``{chunk_index.__class__}``), conversions and nested fields, so only plain field names with a format spec
+    (``{chunk_index:03d}``) pass."""
+    if not isinstance(template, str):
+        raise DatasetError(path, f"must be a path template string, got {template!r}", field=key)
+    names = ", ".join("{" + name + "}" for name in fields)
+    allowed = f"a path template may use only {names}, each with a format spec such as :03d or none"
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as e:  # an unmatched brace
+        raise DatasetError(path, f"{template!r} is not a path template ({e})", field=key) from None
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in fields or conversion is not None or "{" in (spec or ""):
+            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise DatasetError(path, f"{template!r} uses {shown}; {allowed}", field=key)
+        try:
+            format(_SAMPLE_VALUES[name], spec)
+        except ValueError as e:
+            raise DatasetError(path, f"{template!r}: bad format spec {spec!r} for {name} ({e})", field=key) from None
+    return template
+
+
+def relative_path(root: Path, template: str, key: str, **values: Any) -> str:
+    """The path under ``root`` that ``template`` (info.json's field ``key``, already through ``check_template``)
+    names for ``values``; a DatasetError unless it stays under ``root``: no absolute path, no ``..`` component.
+    Checked on the text, so a symlink a user placed inside the dataset still works."""
+    try:
+        relative = template.format(**values)
+    except (ValueError, TypeError):  # values of another type than info.json's spec expects (a damaged episodes table)
+        raise DatasetError(root / INFO_PATH, f"the template {template!r} cannot be filled with {_shown(values)}",
+                           field=key) from None
+    if relative.startswith("/") or ".." in relative.split("/"):
+        raise DatasetError(root / INFO_PATH, f"the template {template!r} gives {relative!r}, a path outside the "
+                           f"dataset (for {_shown(values)})", field=key)
+    return relative
+
+
+def dataset_path(root: Path, template: str, key: str, **values: Any) -> Path:
+    """``root / relative_path(...)``: the file of a dataset that info.json's template ``key`` names."""
+    return root / relative_path(root, template, key, **values)
+
+
+def referenced_file(root: Path, ref: str, path: Path, field: str | None = None) -> Path:
+    """The file a data column of ``path`` refers to (an HF Image row's ``path``), which must lie under ``root``:
+    a relative path without ``..`` (a dataset names no file of the machine that reads it)."""
+    if ref.startswith("/") or ".." in ref.split("/"):
+        raise DatasetError(path, f"refers to {ref!r}, outside the dataset (only relative paths inside it are read)",
+                           field=field)
+    return root / ref
+
+
+def _shown(values: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
 
 
 def write_info(root: str | Path, info: DatasetInfo) -> None:

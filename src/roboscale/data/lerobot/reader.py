@@ -120,14 +120,15 @@ class LeRobotDatasetMetadata:
 
     def data_path(self, ep: int) -> Path:
         row = self.episode(ep)
-        return self.root / self.info.data_path.format(chunk_index=row["data/chunk_index"],
-                                                      file_index=row["data/file_index"])
+        return fmt.dataset_path(self.root, self.info.data_path, "data_path", chunk_index=row["data/chunk_index"],
+                                file_index=row["data/file_index"])
 
     def video_path(self, ep: int, key: str) -> Path:
         row = self.episode(ep)
         assert self.info.video_path is not None
-        return self.root / self.info.video_path.format(video_key=key, chunk_index=row[f"videos/{key}/chunk_index"],
-                                                       file_index=row[f"videos/{key}/file_index"])
+        return fmt.dataset_path(self.root, self.info.video_path, "video_path", video_key=key,
+                                chunk_index=row[f"videos/{key}/chunk_index"],
+                                file_index=row[f"videos/{key}/file_index"])
 
     def video_span(self, ep: int, key: str) -> tuple[float, float]:
         row = self.episode(ep)
@@ -143,7 +144,7 @@ def _decode_image(struct: pa.StructArray, row: int, channels: int, root: Path, p
         ref = struct.field("path")[row].as_py()
         if ref is None:
             raise DatasetError(path, f"image row {row} has neither bytes nor path")
-        file = Path(ref) if Path(ref).is_absolute() else root / ref
+        file = fmt.referenced_file(root, ref, path)
         try:
             data = file.read_bytes()
         except OSError as e:

@@ -38,6 +38,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,17 @@ from roboscale.data.loading.index import SampleIndex
 from roboscale.data.loading.plan import EpochOrder, EpochPlan, sample_seeds
 from roboscale.data.loading.source import FrameSource, open_source
 from roboscale.data.loading.transport import Arena, InArena, has_refs, take
-from roboscale.data.loading.worker import BatchDataset, Fetcher, LoaderError, Task, WorkerFailure, stop_processes
+from roboscale.data.loading.worker import (
+    BatchDataset,
+    Fetcher,
+    LazyBatches,
+    LoaderError,
+    Task,
+    WorkerFailure,
+    stop_processes,
+)
 from roboscale.errors import ConfigError, DatasetError
+from roboscale.utils.lifetime import exit_with
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +136,10 @@ def _check_picklable(what: str, obj: Any, context: str) -> None:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _exit_with_owner(owner_pid: int, worker_id: int) -> None:
+    exit_with(owner_pid)
 
 
 class _TaskSampler:
@@ -243,6 +257,8 @@ class StreamingLoader:
             prefetch_factor=blocks_ahead if workers else None,
             pin_memory=self.pin_memory,
             multiprocessing_context=_worker_context(self.multiprocessing_context) if workers else None,
+            # a worker ends with the process that reads its batches, however that one ends (utils/lifetime.py)
+            worker_init_fn=partial(_exit_with_owner, os.getpid()) if workers else None,
             # our own generator: creating the iterator must not consume the global RNG (bit-exact resume)
             generator=torch.Generator().manual_seed(self._plan.seed),
         )
@@ -321,6 +337,10 @@ class StreamingLoader:
         batches, info = self._block
         i = self._next_in_block
         self._next_in_block += 1
+        if isinstance(batches, LazyBatches):  # in this process: built now
+            if self._next_in_block >= len(batches):
+                self._block = None
+            return batches.take(i)
         arena = isinstance(batches, InArena)
         items = batches.tree if arena else batches
         last = self._next_in_block >= len(items)
@@ -584,6 +604,7 @@ def build_loader(
         per_sample += t * size
     # a hand-over slot holds one block's batches (this rank's slices)
     dataset.block_bytes = int(1.25 * block_batches * (batch_size // world_size) * per_sample) + (1 << 20)
+    dataset.keep_decoded = plan.block_batches >= plan.batches_per_epoch  # the whole dataset fits in one block
     arena_bytes = dataset.block_bytes if shared_arena and num_workers else 0
     return StreamingLoader(sample_index, dataset, plan, rank=rank, world_size=world_size, num_workers=num_workers,
                            prefetch_factor=prefetch_factor,

@@ -80,15 +80,16 @@ class RawSource:
         # File locations as small integer tables: O(episodes) numbers, no per-episode Python objects.
         chunk, file = column("data/chunk_index"), column("data/file_index")
         self._data_paths, self._data_file = _path_table(
-            [info.data_path.format(chunk_index=int(c), file_index=int(f)) for c, f in zip(chunk, file, strict=True)])
+            [fmt.relative_path(self.root, info.data_path, "data_path", chunk_index=int(c), file_index=int(f))
+             for c, f in zip(chunk, file, strict=True)])
         self._video_paths: dict[str, list[str]] = {}
         self._video_file: dict[str, np.ndarray] = {}
         self._video_from: dict[str, np.ndarray] = {}
         for key in self.video_keys:
             assert info.video_path is not None
             chunk, file = column(f"videos/{key}/chunk_index"), column(f"videos/{key}/file_index")
-            names = [info.video_path.format(video_key=key, chunk_index=int(c), file_index=int(f))
-                     for c, f in zip(chunk, file, strict=True)]
+            names = [fmt.relative_path(self.root, info.video_path, "video_path", video_key=key, chunk_index=int(c),
+                                       file_index=int(f)) for c, f in zip(chunk, file, strict=True)]
             self._video_paths[key], self._video_file[key] = _path_table(names)
             self._video_from[key] = column(f"videos/{key}/from_timestamp").astype(np.float64)
         self.max_open_parquet = max_open_parquet
@@ -201,7 +202,7 @@ class RawSource:
                 if ref is None:
                     raise DatasetError(path, f"frame {int(f)} has neither image bytes nor path", field=key,
                                        episode=int(self._ids[episode]))
-                data = (Path(ref) if Path(ref).is_absolute() else self.root / ref).read_bytes()
+                data = fmt.referenced_file(self.root, ref, path, field=key).read_bytes()
             images.append(decode_png(data, channels, source=path))
         h, w, c = fmt.image_hwc(self.features[key])
         return np.stack(images) if images else np.zeros((0, h, w, c), np.uint8)

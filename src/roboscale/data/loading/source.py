@@ -135,7 +135,9 @@ def _is_raw(path: Path) -> bool:
     return (path / "meta" / "info.json").is_file()
 
 
-def _open_raw(path: Path, **options: Any) -> FrameSource:
+def _open_raw(path: Path, *, verify_on_open: bool = True, **options: Any) -> FrameSource:
+    """(``verify_on_open``: a lake's option, so that one set of options opens a mixture of both; raw files have no
+    checksums to verify.)"""
     from roboscale.data.loading.raw_source import RawSource
 
     return RawSource(path, **options)

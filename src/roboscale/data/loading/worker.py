@@ -81,12 +81,22 @@ class BatchDataset(torch.utils.data.Dataset):
         self.skip_bad = skip_bad_episodes
         self.arena: Arena | None = None  # set by the loader before workers start
         self.block_bytes = 1 << 20  # a one-off hand-over buffer's size (the loader sets one block's estimate)
+        self.keep_decoded = False  # set by the loader: an epoch is one block (see _read)
+        self.build_as_taken = True  # in the training process (see __getitem__; off: benchmarks/epoch_start.py)
         self._sent = 0
+        self._decoded: dict[tuple[int, int, tuple[str, ...]], tuple[np.ndarray, dict[str, np.ndarray]]] = {}
 
-    def __getitem__(self, task: Task) -> tuple[list[Any] | InArena, dict[str, Any]]:
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_decoded": {}}  # what this process decoded is not shipped to new workers
+
+    def __getitem__(self, task: Task) -> tuple[list[Any] | InArena | LazyBatches, dict[str, Any]]:
         """(the block's batches in yield order, info). Errors travel back as values: a ``WorkerFailure`` in place of
         the batch that failed (the batches before it are still served; torch would re-raise an exception with the
-        worker's traceback pasted into the message, and cannot rebuild a DatasetError)."""
+        worker's traceback pasted into the message, and cannot rebuild a DatasetError).
+
+        In the training process itself (0 loader workers) the batches are built one at a time, as the trainer
+        takes them (``LazyBatches``): built all at once, the block's transforms and collates (a whole epoch's,
+        when the dataset fits in one block) stalled training at every block's first batch."""
         info: dict[str, Any] = {"skipped": [], "decode_s": 0.0, "decoded": len(task.samples), "short": [],
                                 "episodes": []}
         batches: list[Any] = []
@@ -95,6 +105,8 @@ class BatchDataset(torch.utils.data.Dataset):
         try:
             block = self._prepare(task.samples)
             info["skipped"], info["decode_s"] = block.skipped, block.decode_s
+            if worker is None and self.build_as_taken:
+                return LazyBatches(self, block, task), info
             if worker is not None:  # hand the block over in shared memory: an arena slot, else a one-off buffer
                 slot = self.arena.reserve(worker.id, self._sent) if self.arena is not None else None
                 self._sent += 1
@@ -108,17 +120,20 @@ class BatchDataset(torch.utils.data.Dataset):
                 del batch
                 info["short"].append(short)
                 info["episodes"].append(episodes)
-        except RoboscaleError as e:
-            batches.append(WorkerFailure(to_record(e)))
-        except Exception as e:  # noqa: BLE001 - anything else is reported with where it happened
-            traceback.print_exc()  # the worker's stderr: the full traceback for debugging
-            i = len(batches)
-            rows = task.rows[min(i, len(task.rows) - 1)]
-            first = self.sample_index.describe(int(task.samples[rows[0]]))
-            batches.append(WorkerFailure(to_record(LoaderError(
-                f"loader worker failed on batch {int(task.batches[min(i, len(task.batches) - 1)])} of epoch "
-                f"{task.epoch} (block {task.block}, first sample: {first}): {type(e).__name__}: {e}"))))
+        except Exception as e:  # noqa: BLE001 - reported as the failure of the batch it happened in
+            batches.append(self.failure(e, task, len(batches)))
         return (slot.handover(batches) if slot is not None else batches), info
+
+    def failure(self, e: Exception, task: Task, i: int) -> WorkerFailure:
+        """An exception met while preparing batch ``i`` of ``task``, as the value that replaces that batch."""
+        if isinstance(e, RoboscaleError):
+            return WorkerFailure(to_record(e))
+        traceback.print_exc()  # the worker's stderr: the full traceback for debugging
+        rows = task.rows[min(i, len(task.rows) - 1)]
+        first = self.sample_index.describe(int(task.samples[rows[0]]))
+        return WorkerFailure(to_record(LoaderError(
+            f"loader worker failed on batch {int(task.batches[min(i, len(task.batches) - 1)])} of epoch "
+            f"{task.epoch} (block {task.block}, first sample: {first}): {type(e).__name__}: {e}")))
 
     def _one(self, block: _Block, task: Task, i: int, slot: Slot | None) -> tuple[Any, int, int]:
         """Batch ``i`` of the task, the number of its samples refilled, and its number of distinct episodes."""
@@ -163,7 +178,7 @@ class BatchDataset(torch.utils.data.Dataset):
                 for (_, window), keys in groups.items():
                     wanted = mine if window is None else (mine[:, None] + np.asarray(window)[None]).ravel()
                     needed = np.unique(np.clip(wanted, 0, n - 1))
-                    values = sample_index.sources[src].read(local, needed, keys)
+                    values, needed = self._read(src, local, needed, keys)
                     lut = np.full(n, -1, np.int64)
                     lut[needed] = np.arange(len(needed))
                     read.update({k: (values[k], lut) for k in keys})
@@ -193,6 +208,29 @@ class BatchDataset(torch.utils.data.Dataset):
             block.lut_start[k] = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         block.decode_s = time.perf_counter() - t0
         return block
+
+    def _read(self, src: int, local: int, needed: np.ndarray, keys: list[str]
+              ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The values of ``keys`` at (at least) the frames ``needed`` of one episode, and the frames they hold.
+
+        When an epoch is one block (the dataset fits in ``block_memory_mb``), every epoch reads the same frames
+        again: decoding them once and keeping them costs no memory the budget did not already grant, and removes
+        the decode from every later epoch's first batch (with 0 loader workers that was a stall of the whole
+        training at each epoch start, ~12 s in `make demo`). The frames an epoch's cut to whole batches left out
+        are added to an episode's frames when an epoch asks for them."""
+        read = self.sample_index.sources[src].read
+        if not self.keep_decoded:
+            return read(local, needed, keys), needed
+        key = (src, local, tuple(keys))
+        kept = self._decoded.get(key)
+        if kept is not None:
+            have, values = kept
+            if np.isin(needed, have, assume_unique=True).all():
+                return values, have
+            needed = np.union1d(have, needed)
+        values = read(local, needed, keys)
+        self._decoded[key] = (needed, values)
+        return values, needed
 
     # ------------------------------------------------------------------ gather a batch
 
@@ -255,6 +293,23 @@ class BatchDataset(torch.utils.data.Dataset):
                                       f"{type(e).__name__}: {e}") from e
         collate = self.collate or torch.utils.data.default_collate
         return collate(samples)
+
+
+class LazyBatches:
+    """A decoded block whose batches are built when taken (in the training process, see
+    ``BatchDataset.__getitem__``): ``take(i)`` -> (batch, samples refilled, distinct episodes)."""
+
+    def __init__(self, dataset: BatchDataset, block: _Block, task: Task):
+        self.dataset, self.block, self.task = dataset, block, task
+
+    def __len__(self) -> int:
+        return len(self.task.batches)
+
+    def take(self, i: int) -> tuple[Any, int, int]:
+        try:
+            return self.dataset._one(self.block, self.task, i, None)
+        except Exception as e:  # noqa: BLE001 - as a worker would report it
+            return self.dataset.failure(e, self.task, i), 0, 0
 
 
 @dataclass

@@ -130,6 +130,14 @@ def _train(argv: list[str]) -> None:
         print(f"final checkpoint: {final}")
 
 
+def _rl(argv: list[str]) -> None:
+    from roboscale.rl.run import parse_rl_args, run_rl
+
+    final = run_rl(parse_rl_args(argv))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"final checkpoint: {final}")
+
+
 def _eval(argv: list[str]) -> None:
     if argv and argv[0] == "compare":  # `roboscale eval compare RUN...`; anything else evaluates a checkpoint
         _compare(argv[1:])
@@ -222,6 +230,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "verify": Command("check a lake's manifest and every shard checksum", _lake_verify),
     },
     "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
+    "rl": Command("RL post-training of a supervised checkpoint in the simulator (GRPO, PPO)", _rl),
     "export": Command("write a checkpoint's consolidated policy (pretrained_model) to a directory", _export),
     "eval": Command("evaluate a checkpoint in closed loop in MetaWorld (eval compare RUN_A RUN_B: compare runs)",
                     _eval),

@@ -10,39 +10,11 @@ import pytest
 
 from roboscale.configs.rollout import RolloutConfig
 from roboscale.errors import CheckpointError
-from roboscale.rollout.engine import EnvSetup, RolloutEngine
+from roboscale.rollout.engine import RolloutEngine, task_turns
 from roboscale.rollout.episode import EpisodeJob
 from roboscale.rollout.noise import chunk_noise
 from roboscale.rollout.queues import ActionQueue
-from tests.models.helpers import tiny_policy
-
-FAKE = "tests.rollout.fake_envs:SPEC"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy") / "pretrained_model"
-    tiny_policy().save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(autouse=True)
-def markers(tmp_path, monkeypatch):
-    monkeypatch.setenv("ROBOSCALE_FAKE_ENV_MARKERS", str(tmp_path))  # spawned workers inherit it
-
-
-def setup_for(checkpoint: str, max_steps: int = 24) -> EnvSetup:
-    cams = {"corner2": "corner2", "wrist": "wrist"}
-    return EnvSetup(FAKE, checkpoint, n_action_steps=3,
-                    env_options={"image_size": 32, "cameras": cams, "max_steps": max_steps})
-
-
-def jobs_for(tasks: list[str], episodes: int) -> list[EpisodeJob]:
-    return [EpisodeJob(t, i, seed=100 * k + i) for k, t in enumerate(tasks) for i in range(episodes)]
-
-
-def outcomes(results):
-    return [(r.task, r.episode, r.success, r.steps) for r in results]
+from tests.rollout.helpers import jobs_for, outcomes, setup_for
 
 
 def test_an_action_queue_executes_n_action_steps_of_each_chunk_and_reset_drops_the_rest():
@@ -73,6 +45,55 @@ def test_batched_and_unbatched_inference_give_the_same_episodes(checkpoint):
     assert stats.mean_batch_size > 1.5  # it did batch
     assert stats.env_steps == sum(r.steps for r in batched)
     assert len({r.steps for r in batched}) > 1  # episodes of different lengths: queues out of step
+    # a worker that predicts for itself batches all its environments at once (its sub-batches could not overlap)
+    local, local_stats = RolloutEngine(RolloutConfig(workers=1, envs_per_worker=3, sub_batches=3,
+                                                     inference="worker"), setup_for(checkpoint)).run(jobs)
+    assert outcomes(local) == outcomes(alone)
+    assert local_stats.mean_batch_size > 1.5
+
+
+def test_a_batch_goes_as_soon_as_every_group_with_episodes_has_asked(checkpoint):
+    """A minute-long batch timeout is never waited out: not while all groups step, not at the end of the run when
+    groups run out of episodes (each worker says how many of its groups have some), and not with fewer jobs than
+    the workers' credits (dealt to every worker, not all to the first)."""
+    start = time.monotonic()
+    results, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=2, sub_batches=1,
+                                                 batch_timeout_ms=60_000), setup_for(checkpoint)).run(
+        jobs_for(["reach", "reach-far"], 3))
+    assert time.monotonic() - start < 60
+    assert set(stats.batch_reasons) == {"all_waiting"} and stats.inference_calls > 0
+    assert stats.batch_sizes[4] > 0  # both workers' requests in one batch
+
+
+def test_jobs_are_dealt_in_turns_over_their_tasks_each_task_in_its_order():
+    jobs = jobs_for(["reach", "reach-far"], 3) + jobs_for(["crash-once"], 1)
+    assert [(j.task, j.episode) for j in task_turns(jobs)] == [
+        ("reach", 0), ("reach-far", 0), ("crash-once", 0), ("reach", 1), ("reach-far", 1), ("reach", 2),
+        ("reach-far", 2)]
+
+
+def test_environments_are_built_once_per_slot_and_task(checkpoint):
+    """Runs of several tasks, again and again (RL steps, evaluations): an environment keeps to its task where the
+    jobs allow, and one that had to change tasks keeps the last as a spare; episodes on kept environments are the
+    same."""
+    mixed = jobs_for(["reach", "reach-far"], 2)
+    with RolloutEngine(RolloutConfig(workers=1, envs_per_worker=2, spare_envs=0), setup_for(checkpoint)) as engine:
+        first, first_stats = engine.run(mixed)
+        again, again_stats = engine.run(mixed)
+    assert outcomes(again) == outcomes(first)
+    assert (first_stats.envs_made, again_stats.envs_made) == (2, 0)  # one environment per task, not per episode
+
+    near, far = jobs_for(["reach"], 2), jobs_for(["reach-far"], 2)
+    made = {}
+    for spare in (1, 0):
+        with RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1, spare_envs=spare),
+                           setup_for(checkpoint)) as engine:
+            before, _ = engine.run(near)
+            engine.run(far)
+            after, stats = engine.run(near)
+        assert outcomes(after) == outcomes(before)
+        made[spare] = stats.envs_made
+    assert made == {1: 0, 0: 1}
 
 
 def test_results_do_not_depend_on_the_number_of_workers_or_envs(checkpoint):
@@ -85,12 +106,13 @@ def test_results_do_not_depend_on_the_number_of_workers_or_envs(checkpoint):
 
 
 @pytest.mark.parametrize("task, reason", [("crash-once", "died (killed by signal 9)"),
-                                          ("hang-once", "silent for 4 s")])
+                                          pytest.param("hang-once", "silent for 4 s", marks=pytest.mark.slow)])
 def test_a_crashed_or_hung_simulator_is_retried_and_reported(checkpoint, task, reason):
-    """One env per worker, so that each crash is charged to the episode that caused it."""
+    """One env per worker, so that each crash is charged to the episode that caused it (dealt in turns over
+    tasks and workers, both misbehaving episodes go to one worker, one after the other)."""
     jobs = jobs_for([task, "reach"], 2)
     clean, _ = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=1), setup_for(checkpoint)).run(
-        [EpisodeJob("reach", j.episode, j.seed) for j in jobs])
+        [EpisodeJob("reach", i, j.seed) for i, j in enumerate(jobs)])  # distinct keys, the same seeds
     start = time.monotonic()
     results, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=1, watchdog_s=4),
                                    setup_for(checkpoint)).run(jobs)

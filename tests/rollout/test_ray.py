@@ -48,7 +48,7 @@ def test_device_auto_on_a_ray_cluster_asks_the_cluster_and_the_predicting_proces
 
     import ray
 
-    from roboscale.rollout.engine import EnvSetup, RolloutStats, _Pool
+    from roboscale.rollout.engine import EnvSetup, _Pool
     from roboscale.rollout.launch import RayLauncher
 
     launcher = object.__new__(RayLauncher)  # no cluster needed to resolve the device
@@ -76,5 +76,5 @@ def test_device_auto_on_a_ray_cluster_asks_the_cluster_and_the_predicting_proces
             ("worker", "cuda", {"rollout-worker0": 0.5, "rollout-worker1": 0.5}),
             ("server", "cpu", {"rollout-server0": 0.0, "rollout-worker0": 0.0, "rollout-worker1": 0.0})):
         recording = Recording(device)
-        _Pool(RolloutConfig(workers=2, inference=inference), setup, recording, 0, RolloutStats())
+        _Pool(RolloutConfig(workers=2, inference=inference), setup, recording, 0)
         assert recording.started == expected, (inference, device)

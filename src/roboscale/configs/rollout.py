@@ -9,6 +9,7 @@ from roboscale.errors import ConfigError
 
 INFERENCE_MODES = ("server", "worker")
 RENDER_MODES = ("on_demand", "every_step")
+SAMPLERS = ("ode", "sde")
 
 
 @dataclass
@@ -22,6 +23,10 @@ class RolloutConfig:
     sub_batches: int = 2
     """Groups a worker's environments are split into: one group steps while another waits for its actions, so
     simulation overlaps with inference."""
+    spare_envs: int = 4
+    """Built environments each env worker keeps for reuse after their slots moved to other tasks (the oldest
+    beyond this many is closed): a MetaWorld environment takes ~0.8 s of CPU to build and ~120 MB to keep, and
+    runs that alternate between tasks (RL steps, evaluation of several tasks) would otherwise rebuild them."""
     inference: str = "server"
     """server: inference servers batch the observations of all workers; worker: each worker holds its own
     policy and predicts for its own environments (the design before the engine; a baseline)."""
@@ -48,6 +53,12 @@ class RolloutConfig:
     """Run workers and servers as tasks on this Ray cluster (HOST:PORT); empty: local processes."""
     worker_cpus: float = 1.0
     """CPUs a Ray env worker reserves (fractions allowed)."""
+    sampler: str = "ode"
+    """How the policy samples a chunk: ode (its deterministic Euler steps from the episode's noise: evaluation),
+    sde (the stochastic sampler of RL post-training, Flow-SDE: step noise drawn per episode and chunk as well,
+    and the denoising chain recorded with each chunk)."""
+    noise_level: float = 0.5
+    """The sde sampler's noise level g (> 0): the standard deviation of a step is g * sqrt(1 / steps)."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "envs_per_worker", "sub_batches", "servers", "max_batch_size"):
@@ -57,6 +68,11 @@ class RolloutConfig:
             raise ConfigError(f"--rollout.inference must be one of {list(INFERENCE_MODES)}, got {self.inference!r}")
         if self.render not in RENDER_MODES:
             raise ConfigError(f"--rollout.render must be one of {list(RENDER_MODES)}, got {self.render!r}")
-        if self.batch_timeout_ms < 0 or self.max_retries < 0 or self.watchdog_s <= 0 or self.inference_threads < 0:
-            raise ConfigError("--rollout.batch_timeout_ms, max_retries and inference_threads must be >= 0 and "
-                              "--rollout.watchdog_s > 0")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"--rollout.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler == "sde" and not self.noise_level > 0:  # `not >`: NaN too
+            raise ConfigError(f"--rollout.noise_level must be > 0 for --rollout.sampler=sde, got {self.noise_level}")
+        if (self.batch_timeout_ms < 0 or self.max_retries < 0 or self.watchdog_s <= 0 or self.inference_threads < 0
+                or self.spare_envs < 0):
+            raise ConfigError("--rollout.batch_timeout_ms, max_retries, inference_threads and spare_envs must be "
+                              ">= 0 and --rollout.watchdog_s > 0")

@@ -64,15 +64,9 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     checkpoint = resolve_checkpoint(cfg.checkpoint)
     policy = Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
     policy_cfg = policy.config
-    names = [k.removeprefix("observation.images.") for k in policy_cfg.image_keys]
-    cameras = spec.sim_cameras(dict.fromkeys([*names, cfg.video_camera]))
-    image_size = int(getattr(policy_cfg, "image_size", 64))
-    if policy_cfg.state_key not in spec.state_features:
-        raise ConfigError(f"{checkpoint}: the policy reads the state feature {policy_cfg.state_key!r}, which the "
-                          f"{spec.name} environment does not give (it gives {list(spec.state_features)})")
-    env_options = {"image_size": image_size, "cameras": cameras, "max_steps": cfg.max_steps,
-                   "state_feature": policy_cfg.state_key}
+    env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, cfg.video_camera)
     _check_cameras(spec, tasks[0], env_options, checkpoint)
+    cameras, image_size = env_options["cameras"], env_options["image_size"]
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -136,6 +130,28 @@ def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, An
         "inference_threads": rollout.inference_threads,
         "episodes_run": run, "episodes_resumed": resumed, "restarts": stats.restarts,
     }
+
+
+def policy_env_options(spec: Any, policy_cfg: Any, checkpoint: Path, max_steps: int, video_camera: str = ""
+                       ) -> dict[str, Any]:
+    """``make(task, **options)`` for environments that show this policy what it was trained on: its cameras (and
+    the video camera) at its image size, the state feature it reads; one line when the env cannot give it."""
+    names = [k.removeprefix("observation.images.") for k in policy_cfg.image_keys]
+    cameras = spec.sim_cameras(dict.fromkeys([*names, video_camera] if video_camera else names))
+    if policy_cfg.state_key not in spec.state_features:
+        raise ConfigError(f"{checkpoint}: the policy reads the state feature {policy_cfg.state_key!r}, which the "
+                          f"{spec.name} environment does not give (it gives {list(spec.state_features)})")
+    return {"image_size": int(getattr(policy_cfg, "image_size", 64)), "cameras": cameras, "max_steps": max_steps,
+            "state_feature": policy_cfg.state_key}
+
+
+def policy_env_setup(spec: Any, tasks: list[str], policy_cfg: Any, checkpoint: Path, max_steps: int) -> Any:
+    """The rollout engine's ``EnvSetup`` for this policy (no videos), its cameras checked in one environment."""
+    from roboscale.rollout.engine import EnvSetup
+
+    options = policy_env_options(spec, policy_cfg, checkpoint, max_steps)
+    _check_cameras(spec, tasks[0], options, checkpoint)
+    return EnvSetup(spec.name, str(checkpoint), policy_cfg.n_action_steps, options)
 
 
 def _check_cameras(spec: Any, task: str, env_options: dict, checkpoint: Path) -> None:

@@ -42,6 +42,9 @@ class PolicyConfig:
     every 4 of the 16 steps (50 ms at 80 Hz) corrects small contact errors (docs/benchmarks.md compares 8)."""
     fps: float = 0.0
     """Dataset frame rate (0: from the dataset); with chunk_size it defines the action window."""
+    value_head_dim: int = 0
+    """Hidden width of a value head (PPO's critic) on the policy's features; 0: none. `roboscale rl
+    --rl.algorithm=ppo` adds one to a checkpoint without it."""
     pretrained_path: str | None = None
     """Start from this pretrained_model directory (ours or LeRobot's pi05): its architecture and weights;
     normalization statistics come from the training dataset."""

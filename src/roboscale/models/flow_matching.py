@@ -13,6 +13,7 @@ model through the same two calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,69 @@ class FlowMatching:
             t = torch.full((b,), i / steps, device=x.device)
             x = x + velocity(x, t) / steps
         return x
+
+    # --- Flow-SDE: the same flow as a stochastic process, so that a sampled chunk has a likelihood (RL) --------
+    def times(self, steps: int) -> list[float]:
+        """The Euler schedule's times t_0 .. t_K (noise end first), as ``sample`` steps through them."""
+        if self.data_at == 0:
+            return [1.0 - i / steps for i in range(steps + 1)]
+        return [i / steps for i in range(steps + 1)]
+
+    def sde_step(self, x: torch.Tensor, v: torch.Tensor, t: float, steps: int, noise_level: float
+                 ) -> tuple[torch.Tensor, float]:
+        """Mean and standard deviation of x at the next time of the schedule, from x at time ``t`` and the
+        predicted velocity ``v`` there, under the SDE whose marginals are the flow's (Flow-SDE; see
+        docs/architecture.md): with n(t) the noise fraction of x_t (t for pi0's convention, 1 - t for GR00T's),
+        the score is -(x + (1 - n) v') / n where v' is the velocity towards the noise end, and
+
+            mean = x + dt * v  -  |dt| * (g^2 / 2) * (x + (1 - n) v') / n,     std = g * sqrt(|dt|)
+
+        for a step dt towards the data end and noise level g. g = 0 is ``sample``'s Euler step exactly."""
+        dt = 1.0 / steps
+        if self.data_at == 0:  # t goes down; v = noise - actions points at the noise end
+            n, towards_noise, euler = t, v, x - dt * v
+        else:  # t goes up; v = actions - noise points at the data end
+            n, towards_noise, euler = 1.0 - t, -v, x + dt * v
+        if noise_level == 0:
+            return euler, 0.0
+        correction = (noise_level ** 2 / 2) * (x + (1.0 - n) * towards_noise) / max(n, 1e-6)
+        return euler - dt * correction, noise_level * dt ** 0.5
+
+    def sample_chain(self, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
+                     step_noise: torch.Tensor, steps: int, noise_level: float) -> torch.Tensor:
+        """Flow-SDE sampling: the chain x_0 (= ``noise``) .. x_K (the sampled actions), float [B, K + 1, T, A].
+        ``step_noise`` [B, K, T, A]: the standard normal draws of the K steps (drawn per episode and chunk by the
+        caller, as ``noise`` is, so a sample does not depend on its batch)."""
+        x, chain = noise, [noise]
+        times = self.times(steps)
+        for k in range(steps):
+            t = torch.full((x.shape[0],), times[k], device=x.device, dtype=x.dtype)
+            mean, std = self.sde_step(x, velocity(x, t), times[k], steps, noise_level)
+            x = mean + std * step_noise[:, k].to(mean.dtype)
+            chain.append(x)
+        return torch.stack(chain, 1)
+
+    def chain_log_prob(self, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], chain: torch.Tensor,
+                       steps: int, noise_level: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(x_1 .. x_K | x_0) [B] of recorded chains [B, K + 1, T, A] under ``velocity`` (differentiable):
+        the sum over steps of the Gaussian step densities, over the entries ``mask`` [B, T, A] keeps (the action
+        steps an environment executed, the dataset's action dimensions: the rest never reached the world)."""
+        if noise_level <= 0:
+            raise ValueError("a likelihood needs a stochastic sampler: noise_level > 0")
+        times = self.times(steps)
+        total = chain.new_zeros(chain.shape[0])
+        for k in range(steps):
+            x = chain[:, k]
+            t = torch.full((x.shape[0],), times[k], device=x.device, dtype=x.dtype)
+            mean, std = self.sde_step(x, velocity(x, t), times[k], steps, noise_level)
+            density = gaussian_log_density(chain[:, k + 1], mean, std)
+            total = total + (density if mask is None else density * mask).flatten(1).sum(1)
+        return total
+
+
+def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """Elementwise log N(x; mean, std^2)."""
+    return -0.5 * ((x - mean) / std) ** 2 - math.log(std) - 0.5 * math.log(2 * math.pi)
 
 
 def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:

@@ -123,6 +123,24 @@ class Policy(nn.Module):
         """The blocks FSDP / activation checkpointing / torch.compile wrap, in execution order."""
         raise NotImplementedError
 
+    # --- the critic (PPO) -----------------------------------------------------------------------------------
+    def add_value_head(self, feature_dim: int) -> None:
+        """A policy's ``__init__`` ends with this: a value head on ``features`` when ``config.value_head_dim``."""
+        from roboscale.models.value import ValueHead
+
+        dim = getattr(self.config, "value_head_dim", 0)
+        self.value_head = ValueHead(feature_dim, dim) if dim else None
+
+    def features(self, encoded: Encoded) -> torch.Tensor:
+        """float [B, D]: what the value head reads, from an ``encode``d observation."""
+        raise NotImplementedError
+
+    def value(self, encoded: Encoded) -> torch.Tensor:
+        """float [B]: the value head's estimate of the return from this observation."""
+        if self.value_head is None:
+            raise ConfigError(f"this {self.name} policy has no value head (policy.value_head_dim is 0)")
+        return self.value_head(self.features(encoded))
+
     # --- description ----------------------------------------------------------------------------------------
     @staticmethod
     def component_of(parameter_name: str) -> str:
@@ -162,6 +180,18 @@ class Policy(nn.Module):
         actions = self.flow_matching.sample(lambda x, t: self.velocity(encoded, x, t), noise,
                                             self.config.num_inference_steps)
         return self.action_normalizer.unnormalize(actions)
+
+    @torch.no_grad()
+    def sample_action_chain(self, observation: Any, noise: torch.Tensor, step_noise: torch.Tensor,
+                            noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``predict_action_chunk`` with the stochastic sampler (Flow-SDE, ``FlowMatching.sample_chain``): the
+        actions in the dataset's units and the whole denoising chain [B, K + 1, T, action_dim] (normalized), from
+        which the chunk's log-probability is recomputed in training. ``step_noise`` [B, K, T, action_dim]."""
+        encoded = self.encode(observation, cache=True)
+        device = next(self.parameters()).device
+        chain = self.flow_matching.sample_chain(lambda x, t: self.velocity(encoded, x, t), noise.to(device),
+                                                step_noise.to(device), self.config.num_inference_steps, noise_level)
+        return self.action_normalizer.unnormalize(chain[:, -1]), chain
 
     # --- persistence ----------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
@@ -203,10 +233,14 @@ class Policy(nn.Module):
             raise CheckpointError(directory / CONFIG_NAME, str(exc)) from None
         tokenizer = TaskTokenizer.from_file(directory / TOKENIZER_NAME) if spec.uses_tokenizer else None
         policy = spec.policy_class()(config, tokenizer)
-        policy.load_weights(directory / WEIGHTS_NAME)
+        # a value head added by an override (RL's PPO on a supervised checkpoint) starts fresh
+        added = frozenset(name for name in policy.state_dict() if name.startswith("value_head.")) \
+            if overrides.get("value_head_dim") and not read_policy_config(directory).get("value_head_dim") \
+            else frozenset()
+        policy.load_weights(directory / WEIGHTS_NAME, optional=added)
         return policy
 
-    def load_weights(self, path: Path) -> None:
+    def load_weights(self, path: Path, optional: frozenset[str] = frozenset()) -> None:
         """Strict load: every tensor present with the shape the config implies, or one error listing the misfits
         (and, where the policy knows them, the config fields that set those shapes)."""
         from safetensors import SafetensorError
@@ -219,8 +253,8 @@ class Policy(nn.Module):
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(path, f"not a readable safetensors file ({exc})") from None
         state = self.upgrade_state_dict(state)
-        self.check_state_dict(state, path)
-        self.load_state_dict(state, strict=True)
+        self.check_state_dict(state, path, optional)
+        self.load_state_dict(state, strict=not optional)
 
     def check_state_dict(self, state: Mapping[str, torch.Tensor], path: Path, optional: frozenset[str] = frozenset()
                          ) -> None:

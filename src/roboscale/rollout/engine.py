@@ -1,10 +1,22 @@
 """The rollout engine: runs episode jobs on env workers and inference servers, retries what crashed, and keeps
 going until every episode has a result.
 
+Lifetime: ``RolloutEngine(cfg, setup).run(jobs)`` starts a pool of processes for that call and stops it after
+(``roboscale eval``). Started (``start()`` ... ``close()``, or ``with RolloutEngine(...) as engine:``), the engine
+keeps its pool across ``run`` calls, so the servers load the policy once; ``update_weights(state, version)``
+between runs has every process that predicts load new weights (and acknowledge them) before it returns, and a
+pool restarted after a crash loads the latest published weights before it gets a job. Between runs the processes
+wait idle; at the end of each run each reports what it did since the last (``RolloutStats``).
+
 Scheduling: each worker holds at most ``2 x envs_per_worker`` jobs (its environments' plus one queued each, so an
-environment that finishes starts the next episode at once); a result frees a place and the next job goes there.
-Jobs are dealt in the order given, so the results of a run are the same whatever the number of workers: what an
-episode does depends only on its job (seed, task, instruction) and the policy (``rollout.noise``).
+environment that finishes starts the next episode at once); a result frees a place and the next job goes there,
+one job to each worker in turn. Jobs are dealt in turns over their tasks (the first job of each task, then the
+second of each...; each task's in the order given), and a worker's free environment takes a job of its own task
+when it holds one: each environment then keeps to few tasks, where dealt in the order given (usually task after
+task) every environment would run every task and be rebuilt for each (a MetaWorld environment costs ~0.8 s of CPU
+to build: in a 40-episode, 4-task evaluation on 8 environments that was a third of all the CPU time). The results
+are the same whatever the order, the number of workers or environments: what an episode does depends only on its
+job (seed, task, instruction) and the policy (``rollout.noise``); ``run`` returns them in job order.
 
 Faults: a worker that dies, raises in its simulator, or is silent for ``watchdog_s`` (a simulator hang: workers
 report ``alive`` while they wait for a server too) costs the episodes it had started one attempt (all of them: a
@@ -19,19 +31,25 @@ env adapter), ends the run with that error.
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roboscale.configs.rollout import RolloutConfig
 from roboscale.errors import WorkerError, from_record
+from roboscale.rollout import messages
 from roboscale.rollout.episode import EpisodeJob, EpisodeResult
-from roboscale.rollout.launch import Handle, Launcher, launcher_for
+from roboscale.rollout.launch import Channel, Handle, Launcher, launcher_for
 from roboscale.rollout.server import ServerSettings, run_server
+from roboscale.rollout.weights import encode_state
 from roboscale.rollout.worker import WorkerSettings, run_env_worker
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +86,24 @@ class RolloutStats:
     inference_s: float = 0.0
     inference_calls: int = 0
     observations: int = 0
+    envs_made: int = 0
+    """Environments the env workers built (one per slot and task, unless a spare of that task was kept)."""
+    env_make_s: float = 0.0
+    """Wall time env workers spent building environments (a new task on a slot: ~0.8 s for MetaWorld)."""
+    worker_cpu_s: float = 0.0
+    """CPU time of the env worker processes (every thread: simulation, rendering, messages)."""
+    worker_wait_s: float = 0.0
+    """Wall time env workers had nothing to step and waited for actions."""
+    server_cpu_s: float = 0.0
+    """CPU time of the inference servers (every thread: the policy, reading requests, sending answers)."""
+    server_idle_s: float = 0.0
+    """Wall time the servers had no request."""
+    batch_fill_s: float = 0.0
+    """Wall time the servers held requests back, waiting for more to fill a batch."""
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    """Batch size -> the servers' policy calls of that size."""
+    batch_reasons: Counter[str] = field(default_factory=Counter)
+    """Why the servers' batches went (``rollout.batcher``): full, all_waiting, timeout."""
     restarts: int = 0
     retries: list[Retry] = field(default_factory=list)
 
@@ -76,45 +112,158 @@ class RolloutStats:
         return self.observations / self.inference_calls if self.inference_calls else 0.0
 
 
+def task_turns(jobs: list[EpisodeJob]) -> list[EpisodeJob]:
+    """The jobs in turns over their tasks (in the order each task first appears), each task's in the given order."""
+    by_task: dict[str, deque[EpisodeJob]] = {}
+    for job in jobs:
+        by_task.setdefault(job.task, deque()).append(job)
+    turns = []
+    while by_task:
+        for task in list(by_task):
+            turns.append(by_task[task].popleft())
+            if not by_task[task]:
+                del by_task[task]
+    return turns
+
+
 class _Restart(Exception):
     """The pool must be restarted (a worker died or hung)."""
 
 
 class RolloutEngine:
+    """See the module docstring: one-shot ``run``, or ``start`` / ``run`` ... / ``update_weights`` / ``close``."""
+
     def __init__(self, cfg: RolloutConfig, setup: EnvSetup):
         self.cfg = cfg
         self.setup = setup
+        self._launcher: Launcher | None = None
+        self._pool: _Pool | None = None
+        self._generation = 0
+        self._weights: messages.LoadWeights | None = None  # the latest published (None: the checkpoint's, version 0)
+        self._busy = ""  # the call in progress: run and update_weights do not nest
 
+    @property
+    def version(self) -> int:
+        """The version of the weights the engine predicts with (0: the checkpoint's)."""
+        return self._weights.version if self._weights is not None else 0
+
+    # --- lifetime -------------------------------------------------------------------------------------------
+    def start(self) -> RolloutEngine:
+        """Start the processes now (the servers load the policy); ``run`` reuses them until ``close``."""
+        self._open()
+        if self._pool is None:
+            self._pool = self._new_pool()
+        return self
+
+    def close(self) -> None:
+        """Stop the processes (kill those that do not stop) and release the channels; ``start`` may follow."""
+        try:
+            if self._pool is not None:
+                self._pool.shutdown()
+        finally:
+            self._pool = None
+            if self._launcher is not None:
+                self._launcher.close()
+                self._launcher = None
+
+    def __enter__(self) -> RolloutEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- work -----------------------------------------------------------------------------------------------
     def run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None = None
             ) -> tuple[list[EpisodeResult], RolloutStats]:
-        """Every job's result (in job order) and where the time went."""
+        """Every job's result (in job order) and where the time went. Not started: a pool for this call only."""
+        self._check_idle("run")
+        one_shot = self._launcher is None
+        self._open()
+        self._busy = "run"
+        try:
+            return self._run(jobs, on_result)
+        except BaseException:  # an error, or Ctrl-C: nothing of this pool is worth waiting for
+            self._discard_pool()
+            raise
+        finally:
+            self._busy = ""
+            if one_shot:
+                self.close()
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Publish new weights: every process that predicts loads them (strictly) and says so before this returns;
+        their predictions carry ``version``. Between runs (not from ``on_result``). A state the policy refuses
+        raises (a ``CheckpointError`` naming the tensor) and leaves the previous weights published."""
+        self._check_idle("update_weights")
+        published = messages.LoadWeights(encode_state(state), operator.index(version))
+        previous, self._weights = self._weights, published
+        if self._launcher is None:
+            return  # not started: the pool of the next run starts with them
+        try:
+            for _ in range(self.cfg.max_retries + 1):
+                try:
+                    if self._pool is None:
+                        self._pool = self._new_pool()  # loads the published weights
+                    else:
+                        self._pool.load_weights(published)
+                    return
+                except _Restart as restart:  # a process died: a new pool, which starts with these weights
+                    self._discard_pool()
+                    log.warning("restarting the rollout workers: %s", restart)
+            raise WorkerError(f"the rollout processes failed {self.cfg.max_retries + 1} times while loading "
+                              f"weights version {version}")
+        except BaseException:
+            self._weights = previous
+            self._discard_pool()
+            raise
+
+    # --- inside ---------------------------------------------------------------------------------------------
+    def _check_idle(self, call: str) -> None:
+        if self._busy:
+            raise RuntimeError(f"RolloutEngine.{call} called during {self._busy} (call it between runs)")
+
+    def _open(self) -> None:
+        if self._launcher is None:
+            self._launcher = launcher_for(self.cfg.ray_address)
+
+    def _new_pool(self) -> _Pool:
+        pool = _Pool(self.cfg, self.setup, self._launcher, self._generation)
+        self._generation += 1  # replies of an earlier pool are told apart and dropped
+        if self._weights is not None:
+            try:
+                pool.load_weights(self._weights)
+            except BaseException:
+                pool.kill()
+                raise
+        return pool
+
+    def _discard_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.kill()
+            self._pool = None
+
+    def _run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None
+             ) -> tuple[list[EpisodeResult], RolloutStats]:
         stats = RolloutStats()
         results: dict[tuple[str, int], EpisodeResult] = {}
         attempts: dict[tuple[str, int], int] = {job.key: 0 for job in jobs}
-        pending: deque[EpisodeJob] = deque(jobs)
+        pending: deque[EpisodeJob] = deque(task_turns(jobs))
         start = time.perf_counter()
-        launcher = launcher_for(self.cfg.ray_address)
-        generation = 0
-        try:
-            while pending:
-                pool = _Pool(self.cfg, self.setup, launcher, generation, stats)
-                try:
-                    pool.drive(pending, attempts, results, on_result)
-                except _Restart as restart:
-                    pool.kill()
-                    stats.restarts += 1
-                    log.warning("restarting the rollout workers: %s", restart)
-                    if stats.restarts > self.cfg.max_retries * max(1, len(jobs)) + self.cfg.max_retries:
-                        raise WorkerError(f"rollout workers keep failing ({restart}); gave up after "
-                                          f"{stats.restarts} restarts") from None
-                except BaseException:  # an error, or Ctrl-C: nothing of this pool is worth waiting for
-                    pool.kill()
-                    raise
-                finally:
-                    pool.shutdown()
-                generation += 1
-        finally:
-            launcher.close()
+        while pending:
+            try:
+                if self._pool is None:
+                    self._pool = self._new_pool()
+                self._pool.resume()
+                self._pool.drive(pending, attempts, results, on_result, stats)
+            except _Restart as restart:
+                self._discard_pool()
+                stats.restarts += 1
+                log.warning("restarting the rollout workers: %s", restart)
+                if stats.restarts > self.cfg.max_retries * max(1, len(jobs)) + self.cfg.max_retries:
+                    raise WorkerError(f"rollout workers keep failing ({restart}); gave up after "
+                                      f"{stats.restarts} restarts") from None
+        if self._pool is not None:
+            self._pool.report(stats)
         stats.wall_s = time.perf_counter() - start
         return [results[job.key] for job in jobs], stats
 
@@ -122,11 +271,10 @@ class RolloutEngine:
 class _Pool:
     """One generation of servers and workers."""
 
-    def __init__(self, cfg: RolloutConfig, setup: EnvSetup, launcher: Launcher, generation: int,
-                 stats: RolloutStats):
-        from roboscale.rollout.inference import inference_threads
+    def __init__(self, cfg: RolloutConfig, setup: EnvSetup, launcher: Launcher, generation: int):
+        from roboscale.rollout.inference import RunnerSettings, inference_threads
 
-        self.cfg, self.setup, self.stats, self.generation = cfg, setup, stats, generation
+        self.cfg, self.setup, self.generation = cfg, setup, generation
         self.events = launcher.channel()
         self.requests = launcher.channel()
         self.replies = [launcher.channel() for _ in range(cfg.workers)]
@@ -137,77 +285,104 @@ class _Pool:
         # a server shares the cores with the env workers (which render on the CPU): more threads than its share
         # only make them wait for each other
         threads = inference_threads(cfg.inference_threads, cfg.servers + cfg.workers if serving else cfg.workers)
+        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler, cfg.noise_level)
         self.servers: dict[str, Handle] = {}
+        self.controls: dict[str, Channel] = {}
+        """Each process's own channel from the engine: a server's control channel, a worker's inbox."""
         if serving:
             for i in range(cfg.servers):
                 name = f"server{i}"
-                settings = ServerSettings(name, setup.checkpoint, device, threads, cfg.max_batch_size,
-                                          cfg.batch_timeout_ms)
-                self.servers[name] = launcher.start(run_server, (settings, self.requests, self.replies, self.events),
-                                                    name=f"rollout-{name}", cpus=1.0, gpus=gpus)
+                self.controls[name] = launcher.channel()
+                settings = ServerSettings(name, runner, cfg.max_batch_size, cfg.batch_timeout_ms)
+                self.servers[name] = launcher.start(
+                    run_server, (settings, self.requests, self.controls[name], self.replies, self.events),
+                    name=f"rollout-{name}", cpus=1.0, gpus=gpus)
         self.workers: dict[str, Handle] = {}
         self.index: dict[str, int] = {}
         for i in range(cfg.workers):
             name = f"worker{i}"
             settings = WorkerSettings(
                 name, i, generation, setup.env, setup.env_options, cfg.envs_per_worker, cfg.sub_batches,
-                setup.n_action_steps, setup.video_camera, setup.video_dir,
-                render_every_step=cfg.render == "every_step", local_checkpoint="" if serving else setup.checkpoint,
-                device=device, threads=threads)
+                setup.n_action_steps, setup.video_camera, setup.video_dir, spare_envs=cfg.spare_envs,
+                announce_groups=serving and cfg.servers == 1,
+                render_every_step=cfg.render == "every_step", local=None if serving else runner)
             self.workers[name] = launcher.start(
                 run_env_worker, (settings, self.inboxes[i], self.requests, self.replies[i], self.events),
                 name=f"rollout-{name}", cpus=cfg.worker_cpus, gpus=0.0 if serving else gpus / cfg.workers)
             self.index[name] = i
+            self.controls[name] = self.inboxes[i]
+        self.predicting = list(self.servers) if serving else list(self.workers)
         self.started_at = time.monotonic()
         self.last_seen: dict[str, float] = {}
         self.assigned: dict[str, dict[tuple[str, int], EpisodeJob]] = {name: {} for name in self.workers}
         self.started: dict[str, set[tuple[str, int]]] = {name: set() for name in self.workers}
-        self.stopped: set[str] = set()
+
+    @property
+    def handles(self) -> dict[str, Handle]:
+        return {**self.workers, **self.servers}
+
+    # --- events ---------------------------------------------------------------------------------------------
+    def _next_event(self, timeout: float | None) -> Any:
+        """The next event (None: none came; ``timeout=None``: only one already there), its sender marked as
+        seen; a process's report that it cannot work is raised."""
+        try:
+            message = self.events.get_nowait() if timeout is None else self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.last_seen[message.name] = time.monotonic()
+        if isinstance(message, messages.Failed):
+            raise from_record(message.record)
+        return message
+
+    def resume(self) -> None:
+        """Before a run: read what the processes said while the pool was idle (heartbeats; a failure raises), so
+        that they are not taken for silent."""
+        while self._next_event(None) is not None:
+            pass
 
     # --- the loop ------------------------------------------------------------------------------------------
     def drive(self, pending: deque[EpisodeJob], attempts: dict, results: dict,
-              on_result: Callable[[EpisodeResult], None] | None) -> None:
-        credit = 2 * self.cfg.envs_per_worker
+              on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats) -> None:
         while pending or any(self.assigned.values()):
-            for name, jobs in self.assigned.items():
-                while pending and len(jobs) < credit:
-                    job = pending.popleft()
-                    jobs[job.key] = job
-                    self.inboxes[self.index[name]].put(("job", job, attempts[job.key] + 1))
-            try:
-                message = self.events.get(timeout=1.0)
-            except queue.Empty:
-                self._check_liveness(pending, attempts, results, on_result)
-                continue
-            kind, name = message[0], message[1]
-            self.last_seen[name] = time.monotonic()
-            if kind == "started":
-                self.started[name].add(tuple(message[2]))
-            elif kind == "result":
-                result = EpisodeResult.from_dict(message[2])
-                key = (result.task, result.episode)
-                self.assigned[name].pop(key, None)
-                self.started[name].discard(key)
-                attempts[key] += 1
-                results[key] = result
-                if on_result is not None:
-                    on_result(result)
-            elif kind == "episode_error":
-                key = tuple(message[2])
-                job = self.assigned[name].pop(key)
-                self.started[name].discard(key)
-                self._failed_attempt(job, message[3], pending, attempts, results, on_result)
-            elif kind == "error":
-                raise from_record(message[2])
-            elif kind == "stats":
-                self._add_stats(message[2])
-                self.stopped.add(name)
-            self._check_liveness(pending, attempts, results, on_result)
+            self._deal(pending, attempts)
+            match self._next_event(timeout=1.0):
+                case messages.Started(name, key, _):
+                    self.started[name].add(tuple(key))
+                case messages.Result(name, record, trajectory):
+                    result = EpisodeResult.from_dict(record)
+                    result.trajectory = trajectory
+                    key = (result.task, result.episode)
+                    self.assigned[name].pop(key, None)
+                    self.started[name].discard(key)
+                    attempts[key] += 1
+                    results[key] = result
+                    if on_result is not None:
+                        on_result(result)
+                case messages.EpisodeFailed(name, key, reason):
+                    key = tuple(key)
+                    job = self.assigned[name].pop(key)
+                    self.started[name].discard(key)
+                    self._failed_attempt(job, reason, pending, attempts, results, on_result, stats)
+            self._check_liveness(pending, attempts, results, on_result, stats)
+
+    def _deal(self, pending: deque[EpisodeJob], attempts: dict) -> None:
+        """Pending jobs to workers with credit, one each in turn: a run of fewer jobs than all the credits still
+        spreads them over every worker's environments (worker by worker, the first would take them all and
+        leave the others idle)."""
+        credit = 2 * self.cfg.envs_per_worker
+        while pending:
+            open_ = [name for name, jobs in self.assigned.items() if len(jobs) < credit]
+            if not open_:
+                return
+            for name in open_[:len(pending)]:
+                job = pending.popleft()
+                self.assigned[name][job.key] = job
+                self.inboxes[self.index[name]].put(messages.Job(job, attempts[job.key] + 1))
 
     def _failed_attempt(self, job: EpisodeJob, reason: str, pending: deque, attempts: dict, results: dict,
-                        on_result: Callable[[EpisodeResult], None] | None) -> None:
+                        on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats) -> None:
         attempts[job.key] += 1
-        self.stats.retries.append(Retry(job.task, job.episode, attempts[job.key], reason))
+        stats.retries.append(Retry(job.task, job.episode, attempts[job.key], reason))
         if attempts[job.key] <= self.cfg.max_retries:
             log.warning("%s episode %d: %s; retrying (attempt %d of %d)", job.task, job.episode, reason,
                         attempts[job.key] + 1, self.cfg.max_retries + 1)
@@ -228,8 +403,8 @@ class _Pool:
             return now - self.last_seen[name] > self.cfg.watchdog_s
         return now - self.started_at > max(STARTUP_S, self.cfg.watchdog_s)
 
-    def _check_liveness(self, pending: deque, attempts: dict, results: dict,
-                        on_result: Callable[[EpisodeResult], None] | None) -> None:
+    def _lost_worker(self) -> tuple[str, str] | None:
+        """(name, why) of a worker that died or hung; a server that did is an error (raised)."""
         now = time.monotonic()
         for name, handle in self.servers.items():
             if not handle.alive():
@@ -238,30 +413,29 @@ class _Pool:
             if self._silent(name, now):
                 raise WorkerError(f"the inference server {name} did not answer for {self.cfg.watchdog_s:.0f} s")
         for name, handle in self.workers.items():
-            if name in self.stopped:
-                continue
             if not handle.alive():
                 self._drain_errors()
-                reason = f"the env worker died ({handle.exit_reason()})"
-            elif self._silent(name, now):
-                reason = f"the env worker was silent for {self.cfg.watchdog_s:.0f} s (a simulator hang)"
-            else:
-                continue
-            for key in sorted(self.started[name]):
-                job = self.assigned[name].pop(key)
-                self._failed_attempt(job, reason, pending, attempts, results, on_result)
-            self._requeue_all(pending)
-            raise _Restart(f"{name}: {reason}")
+                return name, f"the env worker died ({handle.exit_reason()})"
+            if self._silent(name, now):
+                return name, f"the env worker was silent for {self.cfg.watchdog_s:.0f} s (a simulator hang)"
+        return None
+
+    def _check_liveness(self, pending: deque, attempts: dict, results: dict,
+                        on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats) -> None:
+        lost = self._lost_worker()
+        if lost is None:
+            return
+        name, reason = lost
+        for key in sorted(self.started[name]):
+            job = self.assigned[name].pop(key)
+            self._failed_attempt(job, reason, pending, attempts, results, on_result, stats)
+        self._requeue_all(pending)
+        raise _Restart(f"{name}: {reason}")
 
     def _drain_errors(self) -> None:
         """A process that died after reporting why: raise what it reported (a bad checkpoint, not a crash)."""
-        while True:
-            try:
-                message = self.events.get_nowait()
-            except queue.Empty:
-                return
-            if message[0] == "error":
-                raise from_record(message[2])
+        while self._next_event(None) is not None:
+            pass
 
     def _requeue_all(self, pending: deque) -> None:
         """Everything not finished goes back to the front, in job order (a restart starts it again)."""
@@ -271,40 +445,57 @@ class _Pool:
         for job in sorted(left, key=lambda j: j.key, reverse=True):
             pending.appendleft(job)
 
-    def _add_stats(self, part: dict) -> None:
-        for key in ("env_steps", "sim_s", "render_s", "inference_s", "inference_calls", "observations"):
-            setattr(self.stats, key, getattr(self.stats, key) + part.get(key, 0))
+    # --- between runs --------------------------------------------------------------------------------------
+    def load_weights(self, weights: messages.LoadWeights) -> None:
+        """Every process that predicts loads ``weights``; returns once each has said so (a process that dies
+        meanwhile: ``_Restart``; one that refuses them: its error)."""
+        for name in self.predicting:
+            self.controls[name].put(weights)
+        waiting = set(self.predicting)
+        while waiting:
+            match self._next_event(timeout=1.0):
+                case messages.WeightsLoaded(name, version) if version == weights.version:
+                    waiting.discard(name)
+            lost = self._lost_worker()
+            if lost is not None:
+                raise _Restart(f"{lost[0]}: {lost[1]}")
+
+    def report(self, stats: RolloutStats, timeout_s: float = 30.0) -> None:
+        """Add what each process did since its last report to ``stats`` (one that does not answer: lost)."""
+        waiting = {name for name, handle in self.handles.items() if handle.alive()}
+        for name in waiting:
+            self.controls[name].put(messages.Report())
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            match self._next_event(timeout=0.5):
+                case messages.Stats(name, part):
+                    for key, value in part.items():
+                        if isinstance(value, dict):
+                            getattr(stats, key).update(value)
+                        else:
+                            setattr(stats, key, getattr(stats, key) + value)
+                    waiting.discard(name)
+                case None:
+                    waiting = {name for name in waiting if self.handles[name].alive()}
 
     # --- the end -------------------------------------------------------------------------------------------
     def kill(self) -> None:
         """A restart: nothing of this pool is worth waiting for."""
-        for handle in [*self.workers.values(), *self.servers.values()]:
+        for handle in self.handles.values():
             handle.kill()
 
-    def shutdown(self) -> None:
-        """Stop workers, then servers, each collecting its stats; kill what does not stop."""
-        for name, handle in self.workers.items():
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop every process; kill what has not exited by ``timeout_s``."""
+        for name, handle in self.handles.items():
             if handle.alive():
-                self.inboxes[self.index[name]].put(("stop",))
-        self._await_stats(self.workers, timeout_s=30.0)
-        for _ in self.servers:
-            self.requests.put(("stop",))
-        self._await_stats(self.servers, timeout_s=30.0)
-        for handle in [*self.workers.values(), *self.servers.values()]:
-            handle.join(timeout=5.0)
+                self.controls[name].put(messages.Stop())
+        deadline = time.monotonic() + timeout_s
+        while any(handle.alive() for handle in self.handles.values()) and time.monotonic() < deadline:
+            try:  # read what they still send: a process whose channel's pipe is full cannot exit
+                self.events.get(timeout=0.2)
+            except queue.Empty:
+                pass
+        for handle in self.handles.values():
+            handle.join(timeout=1.0)
             if handle.alive():
                 handle.kill()
-
-    def _await_stats(self, handles: dict[str, Handle], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        waiting = {name for name, handle in handles.items() if handle.alive() and name not in self.stopped}
-        while waiting and time.monotonic() < deadline:
-            try:
-                message = self.events.get(timeout=0.5)
-            except queue.Empty:
-                waiting = {name for name in waiting if handles[name].alive()}
-                continue
-            if message[0] == "stats":
-                self._add_stats(message[2])
-                self.stopped.add(message[1])
-                waiting.discard(message[1])

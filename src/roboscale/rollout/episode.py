@@ -1,14 +1,16 @@
 """What one episode is asked to be (``EpisodeJob``) and what came of it (``EpisodeResult``).
 
 Episode ``i`` of task ``t`` starts from ``reset(episode_seed(seed, t, i))`` and draws its flow-matching noise from
-``chunk_noise(job.seed, chunk)``, so its outcome depends on neither the worker that runs it nor the batch its
-observations were predicted in.
+``chunk_noise(job.seed, chunk)`` (``job.noise_seed`` instead, where given), so its outcome depends on neither the
+worker that runs it nor the batch its observations were predicted in.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from roboscale.rollout.trajectory import Trajectory  # at run time: the eval's record schema reads the type hints
 
 
 @dataclass(frozen=True)
@@ -18,15 +20,25 @@ class EpisodeJob:
     episode: int
     """Index of the episode within its task (0..episodes-1)."""
     seed: int
-    """The seed ``reset`` places the scene with and the episode's noise is drawn from."""
+    """The seed ``reset`` places the scene with (and the episode's noise is drawn from, unless ``noise_seed``)."""
     instruction: str = ""
     """What the policy is told (empty: the task's own instruction)."""
     record_video: bool = False
     """Keep this episode's frames of the video camera and write them to ``video_dir``."""
+    noise_seed: int | None = None
+    """The seed the episode's sampling noise is drawn from (None: ``seed``). GRPO runs a group of episodes from one
+    initial state (one ``seed``) with different ``noise_seed``s."""
+    record_trajectory: bool = False
+    """Record what the policy saw and sampled, chunk by chunk, with the rewards (``EpisodeResult.trajectory``)."""
 
     @property
     def key(self) -> tuple[str, int]:
         return self.task, self.episode
+
+    @property
+    def draws_from(self) -> int:
+        """The seed of the episode's sampling noise."""
+        return self.seed if self.noise_seed is None else self.noise_seed
 
 
 @dataclass
@@ -47,11 +59,16 @@ class EpisodeResult:
     """Why the last attempt failed, when every attempt did (the episode then counts as a failure)."""
     wall_s: float = 0.0
     """Wall time of the successful attempt."""
+    trajectory: Trajectory | None = field(default=None, repr=False, compare=False)
+    """The episode chunk by chunk (jobs with ``record_trajectory``); not part of the record (``to_dict``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record episodes.jsonl and reports keep (every field but the trajectory)."""
+        return {name: getattr(self, name) for name in _RECORDED}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EpisodeResult:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: v for k, v in data.items() if k in _RECORDED})
+
+
+_RECORDED = tuple(f.name for f in fields(EpisodeResult) if f.name != "trajectory")

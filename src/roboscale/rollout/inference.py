@@ -1,30 +1,72 @@
 """The policy on the rollout side: observations of many environments in, one action chunk per observation out.
 
-A request item is one environment's observation with what makes its prediction reproducible: the episode's seed
-and the index of the chunk within the episode (the noise is drawn from those two alone, ``rollout.noise``).
+A request item is one environment's observation with what makes its prediction reproducible: the episode's noise
+seed and the index of the chunk within the episode (the noise is drawn from those two alone, ``rollout.noise``).
+Two samplers: ``ode``, the policy's deterministic Euler steps from that noise (``predict_action_chunk``, what
+evaluation uses), and ``sde``, the stochastic sampler of RL post-training (``sample_action_chain``), whose step
+noise is drawn from the same two (``step_noise``) and which returns the whole denoising chain as well. Each
+prediction carries the version of the weights that made it (0: the checkpoint's; ``load_state`` sets others).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from roboscale.rollout.noise import chunk_noise
+from roboscale.configs.rollout import SAMPLERS
+from roboscale.errors import CheckpointError
+from roboscale.rollout.noise import chunk_noise, step_noise
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
 class PredictItem:
     slot: int
     """The environment within its worker."""
-    seed: int
+    noise_seed: int
+    """The seed the episode's noise is drawn from (``EpisodeJob.draws_from``)."""
     chunk_index: int
     instruction: str
     state: np.ndarray
     images: dict[str, np.ndarray]
     """{camera feature name: H x W x 3 uint8}."""
+
+
+@dataclass
+class Prediction:
+    """One item's prediction."""
+
+    chunk: np.ndarray
+    """[T, A_data]: the action chunk in the dataset's units."""
+    chain: np.ndarray | None
+    """[K + 1, T, A] float32: the denoising chain, normalized (``sde``; None for ``ode``); its last entry is the
+    normalized chunk."""
+    version: int
+    """The version of the weights that predicted it."""
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """Where an array is expected, a prediction is its chunk (callers that only compare actions)."""
+        return self.chunk if dtype is None else self.chunk.astype(dtype)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What a process that predicts builds its ``PolicyRunner`` from."""
+
+    checkpoint: str
+    device: str = "auto"
+    threads: int = 1
+    sampler: str = "ode"
+    noise_level: float = 0.5
+
+    def build(self) -> PolicyRunner:
+        return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.noise_level)
 
 
 def resolve_device(device: str) -> str:
@@ -42,11 +84,16 @@ def inference_threads(requested: int, processes_sharing: int) -> int:
 class PolicyRunner:
     """A policy loaded for inference (eval mode, fp32 on CPU) and the batching of observations into its input."""
 
-    def __init__(self, checkpoint: str, device: str = "auto", threads: int = 1):
+    def __init__(self, checkpoint: str, device: str = "auto", threads: int = 1, sampler: str = "ode",
+                 noise_level: float = 0.5):
         import torch
 
         from roboscale.models.policy import Policy
 
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
+        self.sampler, self.noise_level = sampler, noise_level
+        self.version = 0
         torch.set_num_threads(threads)
         self.device = torch.device(resolve_device(device))
         self.policy = Policy.from_pretrained(checkpoint).to(self.device).eval()
@@ -54,6 +101,23 @@ class PolicyRunner:
         self.image_keys: list[str] = list(config.image_keys)
         self.state_key: str = config.state_key
         self.noise_shape = (config.chunk_size, config.action_dim)
+        self.steps = config.num_inference_steps
+
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """New weights (strict: every tensor of the policy but its critic, which acting never reads, of its shape,
+        and nothing else) and their version. Checked before anything is copied, so a refused state leaves the
+        weights and version as they were."""
+        from roboscale.models.value import acting_weights
+
+        own, state = acting_weights(self.policy.state_dict()), acting_weights(dict(state))
+        where = f"published weights (version {version})"
+        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        reshaped = sorted(k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape))
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped)):
+            if names:
+                raise CheckpointError(where, f"{len(names)} tensors {what} for this policy (first: {names[0]!r})")
+        self.policy.load_state_dict(state, strict=False)  # complete but for the critic: checked above
+        self.version = version
 
     def batch(self, items: list[PredictItem]) -> dict[str, Any]:
         """The policy's observation batch, in the dataset's feature names (uint8 CHW images)."""
@@ -69,11 +133,19 @@ class PolicyRunner:
             batch[key] = torch.from_numpy(np.ascontiguousarray(images))
         return batch  # on the CPU: the policy's own transform collates it and moves it to its device
 
-    def predict(self, items: list[PredictItem]) -> np.ndarray:
-        """Action chunks [len(items), T, A] in the dataset's units."""
+    def predict(self, items: list[PredictItem]) -> list[Prediction]:
+        """One prediction per item, in order: its chunk [T, A_data] in the dataset's units (and, ``sde``, its
+        chain), by the current weights."""
         import torch
 
-        noise = torch.from_numpy(np.stack([chunk_noise(it.seed, it.chunk_index, self.noise_shape) for it in items]))
+        noise = torch.from_numpy(np.stack([chunk_noise(it.noise_seed, it.chunk_index, self.noise_shape)
+                                           for it in items]))
         observation = self.batch(items)
-        chunks = self.policy.predict_action_chunk(observation, noise=noise)
-        return chunks.float().cpu().numpy()
+        if self.sampler == "ode":
+            chunks = self.policy.predict_action_chunk(observation, noise=noise).float().cpu().numpy()
+            return [Prediction(chunk, None, self.version) for chunk in chunks]
+        draws = torch.from_numpy(np.stack([step_noise(it.noise_seed, it.chunk_index, self.steps, self.noise_shape)
+                                           for it in items]))
+        actions, chains = self.policy.sample_action_chain(observation, noise, draws, self.noise_level)
+        return [Prediction(chunk, chain, self.version)
+                for chunk, chain in zip(actions.float().cpu().numpy(), chains.float().cpu().numpy(), strict=True)]

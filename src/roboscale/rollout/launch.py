@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from roboscale.utils.lifetime import run_owned
+from roboscale.utils.lifetime import run_owned, signals_deferred
 
 
 class Channel(Protocol):
@@ -93,7 +93,8 @@ class LocalLauncher:
               gpus: float = 0.0) -> Handle:
         # daemon: ended by our exit; run_owned: also by our death (kill -9 runs no exit handler)
         process = self._context.Process(target=run_owned, args=(os.getpid(), target, *args), name=name, daemon=True)
-        process.start()
+        with signals_deferred():  # a child cut off before it has its start data dies with a traceback
+            process.start()
         return _ProcessHandle(process, name)
 
     def close(self) -> None:

@@ -10,3 +10,10 @@ def chunk_noise(episode_seed: int, chunk_index: int, shape: tuple[int, ...]) -> 
     """N(0, 1) float32 noise for the ``chunk_index``-th action chunk an episode predicts."""
     return np.random.Generator(np.random.PCG64([int(episode_seed), int(chunk_index)])).standard_normal(
         shape, dtype=np.float32)
+
+
+def step_noise(episode_seed: int, chunk_index: int, steps: int, shape: tuple[int, ...]) -> np.ndarray:
+    """N(0, 1) float32 [steps, *shape]: the draws of the stochastic sampler's denoising steps (Flow-SDE) for the
+    ``chunk_index``-th chunk of an episode, apart from ``chunk_noise``'s starting point."""
+    return np.random.Generator(np.random.PCG64([int(episode_seed), int(chunk_index), 1])).standard_normal(
+        (steps, *shape), dtype=np.float32)

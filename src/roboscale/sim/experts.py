@@ -30,7 +30,7 @@ from roboscale.sim.metaworld import (
     RenderConfig,
     resolve_tasks,
 )
-from roboscale.utils.lifetime import run_owned
+from roboscale.utils.lifetime import run_owned, signals_deferred
 
 # MetaWorld's scripted experts are proportional controllers with gains above 1 and warn, on every step that
 # saturates, that the environment clips their action to [-1, 1]. The clipping is what they are written for, and a
@@ -168,7 +168,8 @@ def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None
             while pending and len(running) < max(1, cfg.workers):
                 task = pending.pop(0)
                 proc = ctx.Process(target=run_owned, args=(os.getpid(), _worker, task, cfg, queue), daemon=True)
-                proc.start()
+                with signals_deferred():  # never a child cut off before it has its start data
+                    proc.start()
                 running[task] = proc
             kind, task, payload = _get(queue, running)
             if kind == "episode":

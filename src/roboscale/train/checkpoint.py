@@ -3,14 +3,16 @@
     <output_dir>/checkpoints/<step:06d>/pretrained_model/   config.json, model.safetensors, tokenizer.json,
                                                             train_config.json  (consolidated: eval, export)
     <output_dir>/checkpoints/<step:06d>/training_state/     model_optimizer/ (torch.distributed.checkpoint:
-                                                            every rank writes its shards), trainer_state.json,
-                                                            loader_state.json, rng_rank<r>.safetensors
+                                                            every rank writes its shards), <name>_state.json
+                                                            per Stateful entry (trainer_state.json,
+                                                            loader_state.json, a job's own), rng_rank<r>.safetensors
     <output_dir>/checkpoints/last -> <step:06d>
 
 The sharded part holds the live weights and the optimizer state as each rank has them (FSDP shards); DCP's
 metadata lets a run with another number of ranks load them resharded. ``pretrained_model`` is gathered on rank 0
-once per save, so evaluation and export never need the ranks that wrote it. The loader's position is global
-(the same on every rank), the RNG state is per rank.
+once per save, so evaluation and export never need the ranks that wrote it. The Stateful entries (the trainer's
+step and schedule, the loader's position, what a job adds: ``train/components.py``) are global (the same on every
+rank: rank 0 writes them) and restored by name; the RNG state is per rank.
 
 Rank 0 assembles a step directory under a temporary name, every rank writes its part into it, and only when all
 of them succeeded is it renamed into place and ``last`` switched with an atomic symlink replace; a run killed at
@@ -51,7 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from roboscale.config import to_dict
-from roboscale.errors import CheckpointError
+from roboscale.errors import CheckpointError, TrainingError
 from roboscale.utils.io import atomic_directory, fsync_dir, remove_stale_temporaries
 from roboscale.utils.lifetime import interrupted
 
@@ -59,8 +61,8 @@ PRETRAINED = "pretrained_model"
 TRAINING_STATE = "training_state"
 TRAIN_CONFIG = "train_config.json"
 SHARDED = "model_optimizer"
-TRAINER_STATE = "trainer_state.json"
-LOADER_STATE = "loader_state.json"
+STATE_SUFFIX = "_state.json"  # training_state/<name>_state.json: trainer_state.json, loader_state.json, a job's
+OWN_STATE = ("trainer", "loader")  # the trainer's entries; a job's extra ones take other names
 POINTERS = ("last", "best")  # symlinks to step directories; retention never deletes what they point to
 _STEP_NAME = re.compile(r"^\d{6,}$")
 
@@ -71,6 +73,37 @@ def step_name(step: int) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
+
+
+def state_file(name: str) -> str:
+    """The file of the Stateful entry ``name`` under ``training_state``."""
+    return name + STATE_SUFFIX
+
+
+def check_state_names(extra: dict[str, Any]) -> None:
+    """A job's extra checkpointed entries: names that are file names of their own, each a Stateful."""
+    from roboscale.train.components import Stateful
+
+    for name, entry in extra.items():
+        if name in OWN_STATE or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise TrainingError(f"training state entry {name!r}: the names {list(OWN_STATE)} are the trainer's, and "
+                                "a name is letters, digits, '_', '.' or '-' (it becomes the file "
+                                f"{TRAINING_STATE}/{state_file('<name>')})")
+        if not isinstance(entry, Stateful):
+            raise TrainingError(f"training state entry {name!r}: {type(entry).__name__} is not Stateful (it needs "
+                                "state_dict() and load_state_dict(state))")
+
+
+def state_texts(training_state: dict[str, Any]) -> dict[str, str]:
+    """Each entry's state as JSON; an entry that is not JSON-able is an error naming it (on every rank alike,
+    before any rank writes)."""
+    texts = {}
+    for name, state in training_state.items():
+        try:
+            texts[name] = json.dumps(state, indent=4)
+        except (TypeError, ValueError) as exc:
+            raise TrainingError(f"training state entry {name!r}: its state_dict() is not JSON-able ({exc})") from None
+    return texts
 
 
 class CheckpointWriter:
@@ -106,14 +139,16 @@ class CheckpointWriter:
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
     def save(self, step: int, *, policy, sharded_state: dict[str, Any],
-             full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
-             train_config: Any) -> Path | None:
+             full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, dict[str, Any]],
+             rng: torch.Tensor, train_config: Any) -> Path | None:
         """Start writing ``checkpoints/<step>``; returns the step directory committed during the call (this one
         when synchronous, the previous background save when it had to be waited for), or None.
 
         ``sharded_state``: this rank's ``{"model": ..., "optimizer": ...}`` (DCP). ``full_model_state``: the
-        gathered weights for ``pretrained_model`` (rank 0; None elsewhere). ``training_state``: ``trainer``
-        (JSON), ``loader`` (JSON, rank 0's), ``rng`` (this rank's torch RNG state)."""
+        gathered weights for ``pretrained_model`` (rank 0; None elsewhere). ``training_state``: each Stateful
+        entry's state by name (JSON, rank 0's written as ``<name>_state.json``). ``rng``: this rank's torch RNG
+        state."""
+        texts = state_texts(training_state)
         committed = self.wait()
         env = self.env
         target = self.checkpoints / step_name(step)
@@ -131,10 +166,10 @@ class CheckpointWriter:
             if tmp is not None:
                 state_dir = tmp / TRAINING_STATE
                 writes.append(self._write_shards(state_dir, sharded_state))
-                save_file({"torch": training_state["rng"]}, str(state_dir / rng_file(env.rank)))
+                save_file({"torch": rng}, str(state_dir / rng_file(env.rank)))
             if env.is_main and failed is None:
-                (state_dir / TRAINER_STATE).write_text(json.dumps(training_state["trainer"], indent=4))
-                (state_dir / LOADER_STATE).write_text(json.dumps(training_state["loader"], indent=4))
+                for name, text in texts.items():
+                    (state_dir / state_file(name)).write_text(text)
                 config = json.dumps(to_dict(train_config), indent=4)
                 if self._consolidated is None:
                     _write_pretrained(tmp / PRETRAINED, policy, full_model_state, config)
@@ -366,10 +401,11 @@ def last_checkpoint(output_dir: Path) -> Path | None:
     return last.resolve() if last.exists() else None
 
 
-def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env) -> dict[str, Any]:
+def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env, names: Iterable[str]
+                        ) -> tuple[dict[str, Any], torch.Tensor | None]:
     """Load the sharded model/optimizer state into ``sharded_state`` in place (resharded to this run's ranks) and
-    return the rest: ``trainer``, ``loader``, ``rng`` (this rank's, None when the checkpoint had fewer ranks). A
-    missing or damaged file is a CheckpointError naming it."""
+    return the rest: the state of each Stateful entry in ``names``, and this rank's RNG state (None when the
+    checkpoint had fewer ranks). A missing or damaged file is a CheckpointError naming it."""
     import torch.distributed.checkpoint as dcp
 
     state_dir = checkpoint / TRAINING_STATE
@@ -389,11 +425,29 @@ def load_training_state(checkpoint: Path, sharded_state: dict[str, Any], env) ->
             raise CheckpointError(sharded, f"refused: {refused}") from None
         raise CheckpointError(sharded, f"damaged or not this model's ({_dcp_reason(exc)})") from None
     rng_path = state_dir / rng_file(env.rank)
-    return {
-        "trainer": _read(state_dir / TRAINER_STATE, _json),
-        "loader": _read(state_dir / LOADER_STATE, _json),
-        "rng": _read(rng_path, lambda p: load_file(str(p))["torch"]) if rng_path.exists() else None,
-    }
+    states = {name: _read(state_dir / state_file(name), _json) for name in names}
+    rng = _read(rng_path, lambda p: load_file(str(p))["torch"]) if rng_path.exists() else None
+    return states, rng
+
+
+# How a state that does not fit its entry is reported: the trainer's and the loader's as they always were
+_UNFIT = {"trainer": "damaged ({error})", "loader": "does not fit this data loader ({kind}: {error})"}
+
+
+def restore_entries(checkpoint: Path, entries: dict[str, Any], states: dict[str, Any]) -> None:
+    """Hand each Stateful entry its saved state (``load_training_state``); a state it refuses (KeyError,
+    TypeError, ValueError) is a CheckpointError naming the entry's file."""
+    for name, entry in entries.items():
+        path = checkpoint / TRAINING_STATE / state_file(name)
+        if not isinstance(states[name], dict):
+            raise CheckpointError(path, f"damaged (a JSON {type(states[name]).__name__}, not an object)")
+        try:
+            entry.load_state_dict(states[name])
+        except CheckpointError:  # the entry named the problem itself
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            message = _UNFIT.get(name, "does not fit this run's {name!r} state ({kind}: {error})")
+            raise CheckpointError(path, message.format(name=name, kind=type(exc).__name__, error=exc)) from None
 
 
 # A checkpoint is something a user can be handed. DCP reads its index (.metadata) with pickle and the non-tensor

@@ -1,23 +1,25 @@
 """The training engine: a ``Trainer`` that builds, parallelizes, runs and checkpoints a training run on one
 process or on the data-parallel ranks torchrun or Ray Train started.
 
-``Trainer(cfg).fit()`` goes build -> parallelize -> restore -> loop, and the loop calls its hooks (logging,
-checkpointing, polling the evaluation that runs beside training: ``train/evaluation.py``) after every step. The
-policy is driven only through the Policy contract and its registered objective, the data only through the
-loader's iterator and ``state_dict``; parallelism is applied to the plain policy from outside
-(``roboscale.distributed.parallelize``).
+``Trainer(cfg, job).fit()`` goes build -> parallelize -> restore -> loop, and the loop calls its hooks (logging,
+checkpointing, polling the evaluation that runs beside training: ``train/evaluation.py``) after every step. What
+is trained on and how comes from the job (``train/components.py``; by default ``SupervisedJob``,
+``train/supervised.py``): the policy is driven only through the Policy contract and the job's objective, the
+data only through its ``DataSource`` (``next``, ``state_dict``), and the job's step hooks run after each applied
+optimizer step; parallelism is applied to the plain policy from outside (``roboscale.distributed.parallelize``).
 
 One optimizer step is one global batch (``--batch_size`` samples over all ranks). Each rank's share may be
 split into micro-batches (a token budget, ``--grad_accum``); every rank runs the same number of them (a rank
 with fewer repeats one at zero weight, since DDP and FSDP need the same forward/backward calls everywhere),
 gradients are reduced once, with the last one, and each micro-batch's loss weight is normalized by the weight
 summed over all ranks: the update is exactly the whole global batch's mean loss, whatever the number of ranks
-or micro-batches. Random draws come from each sample's own seed (the loader's ``sample_seed``), so 1 and N
-ranks compute the same losses.
+or micro-batches; the objective's metrics are reduced by name in the same pass (``train/reduction.py``). Random
+draws come from each sample's own seed (the loader's ``sample_seed``), so 1 and N ranks compute the same losses.
 
-What a checkpoint restores besides the weights is the trainer's state (step, optimizer, schedule, loader
-position, RNG), saved and loaded as a unit: a resumed run, at the same or another number of ranks, sees exactly
-the batches and draws the uninterrupted run would have. Metrics stay tensors until they are logged.
+What a checkpoint restores besides the weights is the training state (the optimizer, RNG, and by name the
+``Stateful`` entries: the trainer's step and schedule, the data's position, the job's own), saved and loaded as a
+unit: a resumed run, at the same or another number of ranks, sees exactly the batches and draws the
+uninterrupted run would have. Metrics stay tensors until they are logged.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ import numpy as np
 import torch
 
 from roboscale.config import save_yaml
-from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
+from roboscale.configs.train import OptimizerConfig, TrainConfig
 from roboscale.distributed.env import DistributedEnv, init_distributed
-from roboscale.errors import CheckpointError, ConfigError, TrainingError
+from roboscale.errors import ConfigError, TrainingError
+from roboscale.train.components import DataSource, Objective, Stateful, StepHook, TrainingComponents, TrainingJob
 from roboscale.train.resume import check_resume, resume_checkpoint, resuming, saved_config
 from roboscale.utils.io import exclusive_lock
 
@@ -47,18 +50,26 @@ RESTARTED = "TORCHELASTIC_RESTART_COUNT"
 """torchrun's count of restarts (``--max-restarts``): a restarted run resumes from its last checkpoint."""
 
 
-def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False) -> Path:
+def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False, job: TrainingJob | None = None
+          ) -> Path:
     """Train and return the final checkpoint's ``pretrained_model`` directory. ``restartable``: this process may
-    be a restart of a failed one (a launcher's retry), so resume if a checkpoint exists."""
-    return Trainer(cfg, progress=progress, restartable=restartable).fit()
+    be a restart of a failed one (a launcher's retry), so resume if a checkpoint exists. ``job``: what to train
+    on and how (default: supervised training on ``cfg.dataset``)."""
+    return Trainer(cfg, job, progress=progress, restartable=restartable).fit()
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, progress: bool = True, restartable: bool = False,
-                 eval_command: Callable[[Path, Path], list[str]] | None = None):
-        """``eval_command``: (checkpoint, report directory) -> the argv that evaluates a checkpoint during
+    def __init__(self, cfg: TrainConfig, job: TrainingJob | None = None, *, progress: bool = True,
+                 restartable: bool = False, eval_command: Callable[[Path, Path], list[str]] | None = None):
+        """``job``: the policy, data, objective, hooks and extra state (default: ``SupervisedJob(cfg)``).
+        ``eval_command``: (checkpoint, report directory) -> the argv that evaluates a checkpoint during
         training (default: ``roboscale eval`` with the ``--eval.*`` options)."""
+        if job is None:
+            from roboscale.train.supervised import SupervisedJob
+
+            job = SupervisedJob(cfg)
         self.cfg = cfg
+        self.job = job
         self.output_dir = Path(cfg.output_dir)
         self.progress = progress
         self.restartable = restartable or int(os.environ.get(RESTARTED, "0") or 0) > 0
@@ -66,17 +77,23 @@ class Trainer:
         self.env = DistributedEnv()
         self.plan: Any = None
         self.step = 0
-        self.policy: Any = None
+        self.policy: Any = None  # the plain Policy (parallelize wraps it in self.module)
         self.module: Any = None
-        self.loader: Any = None
+        self.components: TrainingComponents | None = None
+        self.loader: DataSource | None = None  # the job's data (components.data; the name callers know)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-        self.objective: Callable[..., Any] | None = None
+        self.objective: Objective | None = None
+        self.hooks: list[StepHook] = []
+        """After every applied optimizer step: FP8's scales, the EMA update, then the job's hooks."""
+        self.stateful: dict[str, Stateful] = {}
+        """What checkpoints keep by name (``training_state/<name>_state.json``): ``trainer`` (this trainer's
+        ``state_dict``), ``loader`` (the data), then the job's entries."""
         self.telemetry: Any = None
         self.ema: dict[str, torch.Tensor] = {}
         self.skipped_steps = 0
         self._nonfinite_in_a_row = 0
-        self._after_step: Callable[[], None] | None = None
+        self._agreed_metrics: tuple[str, ...] | None = None  # the objective's metric names, as at the first step
         self.eval_command = eval_command
         self.evaluations: Any = None  # rank 0's EvaluationScheduler, with --eval.every
         self.checkpoints: Any = None  # a CheckpointWriter
@@ -159,49 +176,33 @@ class Trainer:
 
     # --- build ----------------------------------------------------------------------------------------------
     def build(self) -> None:
-        """Data, policy, objective and loader, in the order whose RNG draws make runs reproducible (the policy's
-        initial weights follow the seed, the same on every rank)."""
-        from roboscale.data.loading.loader import check_sources
-        from roboscale.data.loading.meta import source_meta
-        from roboscale.models.registry import build_policy, fit_to_dataset, get_spec
+        """The job's policy, then its data, objective, hooks and state, in the order whose RNG draws make runs
+        reproducible (the policy's initial weights follow the seed, the same on every rank)."""
+        from roboscale.train.checkpoint import check_state_names
         from roboscale.train.telemetry import Telemetry
 
         cfg = self.cfg
+        resumed = None
         if self.resume_from is not None:
             with resuming(self.resume_from):
                 saved = saved_config(self.resume_from)
             check_resume(saved, cfg, self.resume_from)
         self.seed()
-        sources, names, weights = self.open_sources()
-        check_sources(sources, names, skip_bad_episodes=cfg.dataset.skip_bad_episodes)  # never build on refused data
-        meta = source_meta(sources, names)
-        if self.resume_from is not None:
+        if self.resume_from is not None:  # its architecture and config; the weights come with the optimizer's
             from roboscale.models.policy import Policy
 
-            pretrained = self.resume_from / "pretrained_model"
             with resuming(self.resume_from):
-                self.policy = Policy.from_pretrained(pretrained)
-            cfg.policy = self.policy.config
-            try:
-                fit_to_dataset(cfg.policy, meta)  # the data may have changed since the checkpoint was written
-            except ConfigError as e:
-                raise ConfigError(f"--resume: {pretrained / 'config.json'} does not fit the data: {e}") from None
-        elif cfg.policy.pretrained_path:  # fine-tuning: the checkpoint's architecture and weights, this data's stats
-            from roboscale.models.finetune import policy_for_finetuning
-
-            self.policy = policy_for_finetuning(cfg.policy, meta)
-        else:
-            self.policy = build_policy(cfg.policy, meta)
-        self.objective = get_spec(self.policy.name).loss()
-        self.loader = self.build_loader(sources, weights, meta)
-        if self.env.is_main:
-            log.info("policy %s: %.2fM parameters; data %s: %d episodes, %d frames, %d batches per epoch, %d "
-                     "loader workers per rank; %d ranks (%s)", self.policy.name,
-                     sum(p.numel() for p in self.policy.parameters()) / 1e6, meta.root,
-                     sum(len(s.episode_lengths) for s in sources), sum(int(s.episode_lengths.sum()) for s in sources),
-                     self.loader.batches_per_epoch, self.loader.num_workers, self.env.world_size, self.plan.strategy)
+                resumed = Policy.from_pretrained(self.resume_from / "pretrained_model")
+        self.policy = self.job.build_policy(self, resumed)
+        cfg.policy = self.policy.config  # what checkpoints record as the run's policy
+        self.components = components = self.job.build(self)
+        self.objective = components.objective
+        self.loader = components.data
+        self.hooks = list(components.hooks)
+        check_state_names(components.state)
+        self.stateful = {"trainer": self, "loader": components.data, **components.state}
         self.telemetry = Telemetry(self.output_dir, cfg.batch_size, write=self.env.is_main,
-                                   flops_per_sample=training_flops(self.policy),
+                                   flops_per_sample=training_flops(self.policy) if components.counts_flops else None,
                                    peak=peak_flops(self.env.device, cfg.precision, cfg.fp8),
                                    ranks=self.env.world_size, wandb=cfg.wandb, config=cfg)
 
@@ -210,41 +211,6 @@ class Trainer:
         each sample's seed; what else draws from the global RNG (dropout) gets a stream per rank in ``loop``."""
         torch.manual_seed(self.cfg.seed)
 
-    def open_sources(self) -> tuple[list[Any], list[str], list[float | None]]:
-        from roboscale.data.loading.source import open_source
-
-        data = self.cfg.dataset
-        entries = list(data.mixture.items()) if data.mixture else [(data.root, None)]
-        options: dict[str, Any] = {"episodes": data.episodes} if data.episodes is not None else {}
-        if not data.verify_lake_shards:
-            options["verify_on_open"] = False
-        sources = [open_source(path, **options) for path, _ in entries]
-        return sources, [str(path) for path, _ in entries], [w for _, w in entries]
-
-    def build_loader(self, sources: list[Any], weights: list[float | None], meta: Any) -> Any:
-        from roboscale.data.loading.loader import build_loader
-
-        cfg, policy_cfg, data = self.cfg, self.policy.config, self.cfg.dataset
-        transform, collate = self.policy.data_transforms()
-        return build_loader(
-            sources if not data.mixture else list(zip(sources, weights, strict=True)),
-            batch_size=cfg.batch_size,
-            rank=self.env.rank,
-            world_size=self.plan.dp_size,
-            num_workers=loader_workers(data.num_workers),
-            # LeRobot's delta_timestamps, from the policy's frame offsets
-            delta_timestamps={key: [i / meta.fps for i in idx] for key, idx in self.policy.delta_indices().items()},
-            keys=[*policy_cfg.image_keys, policy_cfg.state_key, policy_cfg.action_key],
-            seed=cfg.seed,
-            transform=transform,
-            collate=collate,
-            prefetch_factor=data.prefetch_factor,
-            block_samples=block_samples(data, meta.features, list(policy_cfg.image_keys), cfg.batch_size),
-            chunk_frames=data.chunk_frames,
-            skip_bad_episodes=data.skip_bad_episodes,
-            check=False,  # check_sources ran before the policy was built
-        )
-
     def parallelize(self) -> None:
         """Freeze what is asked, apply FP8 / activation checkpointing / compile / DDP or FSDP2 to the plain policy
         (``roboscale.distributed.parallelize``), then build the optimizer over what trains."""
@@ -252,6 +218,7 @@ class Trainer:
         from roboscale.distributed.parallelize import parallelize
 
         cfg = self.cfg
+        own: list[StepHook] = []  # the trainer's step hooks, which run before the job's
         freeze(self.policy, cfg.freeze)
         if cfg.fp8:  # before sharding, as torchao's float8 all-gather wraps the converted weights
             from roboscale.train.fp8 import apply_fp8, fp8_after_optimizer_step
@@ -259,8 +226,8 @@ class Trainer:
             converted = apply_fp8(self.policy, device=self.env.device, fsdp=self.plan.sharded)
             if self.env.is_main:
                 log.info("fp8: %d Linear layers converted", len(converted))
-            if self.plan.sharded:
-                self._after_step = lambda: fp8_after_optimizer_step(self.policy)
+            if self.plan.sharded:  # the next forward's scales of the FP8-gathered weights
+                own.append(lambda trainer: fp8_after_optimizer_step(trainer.policy))
         self.module = parallelize(self.policy, self.objective, self.plan, build_mesh(self.plan, self.env),
                                   device=self.env.device, precision=cfg.precision,
                                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
@@ -271,6 +238,8 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
         if cfg.ema_decay:
             self.ema = {name: p.detach().clone() for name, p in self.policy.named_parameters() if p.requires_grad}
+            own.append(lambda trainer: trainer.update_ema())
+        self.hooks[:0] = own
 
     # --- state ----------------------------------------------------------------------------------------------
     def sharded_state(self) -> dict[str, Any]:
@@ -283,42 +252,36 @@ class Trainer:
             state["ema"] = self.ema
         return state
 
-    def trainer_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own checkpointed state (``trainer_state.json``); the optimizer's is in the sharded part."""
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
                 "world_size": self.env.world_size, "strategy": self.plan.strategy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def restore(self) -> None:
         """Continue from the checkpoint being resumed, if any; record the run's config beside its checkpoints."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from roboscale.train.checkpoint import LOADER_STATE, TRAINING_STATE, load_training_state
+        from roboscale.train.checkpoint import load_training_state, restore_entries
 
         if self.resume_from is not None:
-            where = self.resume_from / TRAINING_STATE
             with resuming(self.resume_from):
                 sharded = self.sharded_state()
-                state = load_training_state(self.resume_from, sharded, self.env)
+                saved, rng = load_training_state(self.resume_from, sharded, self.env, names=list(self.stateful))
                 set_state_dict(self.policy, self.optimizer, model_state_dict=sharded["model"],
                                optim_state_dict=sharded["optimizer"])
-                trainer = state["trainer"]
-                try:
-                    self.scheduler.load_state_dict(trainer["scheduler"])
-                    self.step = int(trainer["step"])
-                    self.skipped_steps = int(trainer.get("skipped_steps", 0))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise CheckpointError(where / "trainer_state.json", f"damaged ({exc})") from None
-                try:
-                    self.loader.load_state_dict(state["loader"])
-                except (KeyError, TypeError, ValueError) as e:
-                    raise CheckpointError(where / LOADER_STATE,
-                                          f"does not fit this data loader ({type(e).__name__}: {e})") from None
-            if state["rng"] is not None:
-                torch.set_rng_state(state["rng"])
+                restore_entries(self.resume_from, self.stateful, saved)
+            if rng is not None:
+                torch.set_rng_state(rng)
             else:  # saved by fewer ranks: this rank's stream starts fresh (only dropout draws from it)
                 torch.manual_seed(rank_seed(self.cfg.seed, self.env.rank, self.step))
             if self.env.is_main:
                 log.info("resumed from %s at step %d (saved by %d ranks, now %d)", self.resume_from, self.step,
-                         int(trainer.get("world_size", 1)), self.env.world_size)
+                         int(saved["trainer"].get("world_size", 1)), self.env.world_size)
         elif self.env.rank:  # rank 0 keeps the seed's own stream, so one process trains as it always did
             torch.manual_seed(rank_seed(self.cfg.seed, self.env.rank, 0))
         evaluated = self.start_evaluations()
@@ -351,8 +314,10 @@ class Trainer:
         return split_batch(batch, self.cfg.grad_accum)
 
     def train_step(self, batch: Any) -> dict[str, torch.Tensor | float]:
-        """One optimizer step over this rank's share of a global batch; metrics as tensors (global values)."""
+        """One optimizer step over this rank's share of a global batch; metrics as tensors (global values): the
+        objective's, reduced by name (``train/reduction.py``), and ``grad_norm``, ``lr``, ``skipped_steps``."""
         from roboscale.distributed.parallelize import set_gradient_sync
+        from roboscale.train.reduction import StepMetrics, loss_weight, summed_names
 
         env, device = self.env, self.env.device
         self.optimizer.zero_grad(set_to_none=True)
@@ -360,28 +325,25 @@ class Trainer:
         count = len(micro)
         if env.distributed:
             count = int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
-        # the weighted loss sum, the weight sum and the token counts, summed over micro-batches (then ranks)
-        totals = torch.zeros(4, dtype=torch.float64, device=device)
+        # over micro-batches, then ranks
+        totals = StepMetrics(summed_names(self.objective), device, agreed=self._agreed_metrics)
         # bf16: FSDP gathers bf16 weights (half the traffic); autocast casts what the policy computes inside a
         # block (pixels, positions) to match them
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
         for i in range(count):
             with set_gradient_sync(self.module, i == count - 1), autocast:
                 loss, metrics = self.module(micro[min(i, len(micro) - 1)])
-                weight = metrics["loss_weight"].to(device=device, dtype=torch.float32)
+                weight = loss_weight(metrics).to(device=device, dtype=torch.float32)
                 if i >= len(micro):  # a rank with fewer micro-batches keeps step with the others, at zero weight
                     weight = weight * 0
                 (loss * weight).backward()
             if i < len(micro):
-                totals += torch.stack([metrics["loss"].double() * weight.double(), weight.double(),
-                                       torch.tensor(float(metrics.get("tokens", 0)), dtype=torch.float64),
-                                       torch.tensor(float(metrics.get("computed_tokens", 0)),
-                                                    dtype=torch.float64)]).to(device)
-        if env.distributed:
-            totals = all_reduce(totals, "sum")
+                totals.add({"loss": loss.detach(), **metrics}, weight)
+        reduced = totals.reduce(env.distributed)
+        self._agreed_metrics = totals.names
         # reduced gradients are the mean over data-parallel ranks of sum_i w_i grad(loss_i): times ranks / total
         # weight gives the global batch's weighted mean
-        scale = self.plan.dp_size / max(float(totals[1]), 1e-12)
+        scale = self.plan.dp_size / max(float(reduced["loss_weight"]), 1e-12)
         for p in self.policy.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -390,12 +352,10 @@ class Trainer:
                                                    clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        loss_value = totals[0] / totals[1].clamp_min(1e-12)
-        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_value)):
+        loss_value = reduced["loss"]
+        applied = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_value))
+        if applied:
             self.optimizer.step()
-            if self._after_step is not None:
-                self._after_step()
-            self.update_ema()
             self._nonfinite_in_a_row = 0
         else:
             self.skipped_steps += 1
@@ -410,11 +370,15 @@ class Trainer:
                                     "--optimizer.lr, check the data (roboscale data validate), or use fp32")
         self.scheduler.step()
         self.step += 1
-        return {"loss": loss_value, "grad_norm": grad_norm, "tokens": totals[2], "computed_tokens": totals[3],
-                "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(self.skipped_steps)}
+        if applied:  # FP8's scales and the EMA first, then the job's (which may publish the new weights)
+            for hook in self.hooks:
+                hook(self)
+        return {**reduced, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                "skipped_steps": float(self.skipped_steps)}
 
     @torch.no_grad()
     def update_ema(self) -> None:
+        """The averaged weights after an optimizer step (a step hook with --ema_decay)."""
         if not self.ema:
             return
         decay = self.cfg.ema_decay
@@ -496,9 +460,8 @@ class Trainer:
                 committed = self.checkpoints.save(
                     self.step, policy=self.policy, sharded_state=self.sharded_state(),
                     full_model_state=full if self.env.is_main else None,
-                    training_state={"trainer": self.trainer_state(), "loader": self.loader.state_dict(),
-                                    "rng": torch.get_rng_state()},
-                    train_config=cfg) or committed
+                    training_state={name: entry.state_dict() for name, entry in self.stateful.items()},
+                    rng=torch.get_rng_state(), train_config=cfg) or committed
         if committed is not None:
             self.committed(committed)
         return committed
@@ -676,24 +639,3 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def block_samples(data: DatasetConfig, features: dict, image_keys: list[str], batch_size: int) -> int:
-    """``DatasetConfig.block_samples`` with 0 resolved from the memory budget and the cameras' frame sizes."""
-    if data.block_samples > 0:
-        return data.block_samples
-    from roboscale.data.lerobot.format import image_hwc
-
-    frame_bytes = sum(math.prod(image_hwc(features[k])) for k in image_keys) or 1
-    return max(batch_size, data.block_memory_mb * 2**20 // frame_bytes)
-
-
-def loader_workers(requested: int) -> int:
-    """``DatasetConfig.num_workers`` with -1 resolved for this machine."""
-    if requested >= 0:
-        return requested
-    if not torch.cuda.is_available():
-        return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-

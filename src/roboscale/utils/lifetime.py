@@ -16,6 +16,7 @@ and the command exits with 143 (128 + SIGTERM) and a message instead of dying si
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 GRACE_S = 5.0
@@ -122,6 +123,27 @@ def terminate_like_interrupt() -> Any:
 def restore_sigterm(previous: Any) -> None:
     if previous is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM that arrive inside the block take effect when it ends, as if sent then. For steps that
+    must not be cut in half: a process being spawned that is interrupted before its parent has written its start
+    data dies with a traceback (``EOFError: Ran out of input``) printed after the command's own message. Off the
+    main thread (where no handler can be set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    deferred = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in deferred}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(arrived):
+            signal.raise_signal(sig)  # the handler just restored runs now
 
 
 def interrupted(exc: KeyboardInterrupt, what: str) -> KeyboardInterrupt:

@@ -43,6 +43,7 @@ from roboscale.models.layers import fp8_eligible
 from roboscale.models.normalize import Normalizer
 from roboscale.models.policy import Encoded, Policy
 from roboscale.models.tokenizer import TaskTokenizer
+from roboscale.models.value import segment_means
 from roboscale.utils.images import signed_unit_images
 
 # Config fields that set the shape of each top-level part of the model: named in the error when a checkpoint's
@@ -126,12 +127,19 @@ class GrootPolicy(Policy):
         self.vlm.projector.requires_grad_(cfg.tune_visual)
         for module in (self.vlm.embed_tokens, self.vlm.layers, self.vlm.norm):
             module.requires_grad_(cfg.tune_llm)
+        self.add_value_head(cfg.llm_width + cfg.dit_width)
 
     @property
     def flow_matching(self) -> FlowMatching:
         cfg = self.config
         return FlowMatching(data_at=1, time_alpha=cfg.noise_beta_alpha, time_beta=cfg.noise_beta_beta,
                             noise_s=cfg.noise_s)
+
+    def features(self, encoded: GrootEncoded) -> torch.Tensor:
+        """The mean of each sample's VL tokens (as the DiT reads them) beside its encoded state token."""
+        layout = encoded.layout
+        vl = segment_means(encoded.vl, layout.cu_seqlens, layout.is_sample)
+        return torch.cat([vl, encoded.state_features[:, 0]], dim=-1)
 
     def parallel_units(self) -> list[nn.Module]:
         """The ViT blocks, the language model's layers, the VL self-attention blocks and the DiT blocks, in
@@ -153,7 +161,8 @@ class GrootPolicy(Policy):
         return component_of(parameter_name)
 
     flops_components: ClassVar[dict[str, str]] = {"vlm.vision": "vision", "vlm.projector": "vision", "vlm.embed_tokens": "language",
-                        "vlm.layers": "language", "vlm.norm": "language", "action_head": "action"}
+                        "vlm.layers": "language", "vlm.norm": "language", "action_head": "action",
+                        "value_head": "action"}
 
     def parameter_note(self, total: int) -> str:
         """How our count relates to the GR00T N1.5 checkpoint's."""

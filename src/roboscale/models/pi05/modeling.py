@@ -62,6 +62,7 @@ from roboscale.models.normalize import Normalizer
 from roboscale.models.pi05.config import STATE_INPUTS, Pi05Config
 from roboscale.models.pi05.layout import PackCollate, PrefixSpec
 from roboscale.models.pi05.transform import Pi05Transform
+from roboscale.models.value import segment_means
 from roboscale.models.policy import Encoded, Policy
 from roboscale.models.tokenizer import TaskTokenizer
 from roboscale.utils.images import signed_unit_images
@@ -292,10 +293,19 @@ class Pi05Policy(Policy):
         # a dataset narrower than the state/action sizes (a checkpoint's padded maxima) is zero-padded to them
         self.state_normalizer = Normalizer(cfg.state_dim, cfg.state_norm, data_dim=cfg.dataset_state_dim)
         self.action_normalizer = Normalizer(cfg.action_dim, cfg.action_norm, data_dim=cfg.dataset_action_dim)
+        self.add_value_head(cfg.width)
 
     @property
     def flow_matching(self) -> FlowMatching:
         return FlowMatching(data_at=0, time_alpha=self.config.time_beta_alpha)
+
+    def features(self, encoded: Pi05Encoded) -> torch.Tensor:
+        """The mean of each sample's prefix embeddings (its image tokens, state and prompt as embedded)."""
+        layout, prefix = encoded.layout, encoded.prefix
+        if layout.packed:
+            return segment_means(prefix[0], layout.cu_prefix)
+        real = (torch.arange(prefix.shape[1], device=prefix.device)[None] < layout.seq_lens[:, None]).to(prefix.dtype)
+        return (prefix * real[..., None]).sum(1) / real.sum(1, keepdim=True).clamp_min(1)
 
     def parallel_units(self) -> list[nn.Module]:
         return [*self.vision.blocks, *self.layers]
@@ -303,7 +313,8 @@ class Pi05Policy(Policy):
     # the state token is part of the prefix; a joint layer's expert_* weights are the action expert's
     flops_components: ClassVar[dict[str, str]] = {"vision": "vision", "projector": "vision", "embed_tokens": "language",
                         "state_proj": "language", "layers": "language", "action_in_proj": "action",
-                        "time_mlp": "action", "expert_norm": "action", "action_out_proj": "action"}
+                        "time_mlp": "action", "expert_norm": "action", "action_out_proj": "action",
+                        "value_head": "action"}
 
     def flops_component_of(self, parameter_name: str) -> str:
         if parameter_name.startswith("layers.") and ".expert_" in parameter_name:

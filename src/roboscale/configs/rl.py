@@ -1,0 +1,109 @@
+"""`roboscale rl`: RL post-training of a flow-matching policy in closed loop (GRPO, PPO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.train import CheckpointConfig, EvalDuringTrainingConfig, OptimizerConfig, ParallelConfig
+from roboscale.errors import ConfigError
+
+ALGORITHMS = ("grpo", "ppo")
+REWARDS = ("success", "shaped")
+
+
+@dataclass
+class RLOptions:
+    """The algorithm and what one global step rolls out."""
+
+    algorithm: str = "grpo"
+    """grpo: group-relative advantages over the episodes of one initial state (no critic); ppo: GAE with a value
+    head on the policy's features."""
+    group_size: int = 8
+    """Episodes per initial state and step (GRPO's group; PPO: the same episodes, advantages from the critic)."""
+    states_per_task: int = 1
+    """Initial states per task and step: a step rolls out tasks x states_per_task x group_size episodes."""
+    reward: str = "success"
+    """success: 1 at the step an episode succeeds, else 0 (sparse); shaped: the simulator's own per-step reward."""
+    max_steps: int = 200
+    """Steps before an episode is cut off (a failure)."""
+    clip: float = 0.2
+    """PPO's clipped ratio: updates stop pulling once a chunk's likelihood ratio leaves [1 - clip, 1 + clip]."""
+    noise_level: float = 0.5
+    """The stochastic sampler's noise (Flow-SDE's g): exploration, and what makes a chunk's likelihood exist.
+    Evaluation keeps the deterministic sampler."""
+    gamma: float = 0.99
+    """PPO: discount per action chunk."""
+    gae_lambda: float = 0.95
+    """PPO: GAE's lambda."""
+    value_coef: float = 0.5
+    """PPO: weight of the value head's loss."""
+    value_head_dim: int = 64
+    """PPO: hidden width of the value head added to a checkpoint without one."""
+    seed: int = 100_000
+    """Initial states of step s are drawn from (seed, s): disjoint from the demonstrations' (0) and evaluation's
+    (1000) seeds."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"--rl.algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.reward not in REWARDS:
+            raise ConfigError(f"--rl.reward must be one of {list(REWARDS)}, got {self.reward!r}")
+        for name in ("group_size", "states_per_task", "max_steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--rl.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ConfigError("--rl.group_size must be at least 2 for grpo (its advantages compare the episodes "
+                              "of a group)")
+        if not 0 < self.clip < 1 or self.noise_level <= 0:
+            raise ConfigError(f"--rl.clip must be in (0, 1) and --rl.noise_level > 0, got {self.clip} and "
+                              f"{self.noise_level}")
+        if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1) or self.value_coef < 0:
+            raise ConfigError("--rl.gamma must be in (0, 1], --rl.gae_lambda in [0, 1], --rl.value_coef >= 0")
+
+
+@dataclass
+class RLConfig:
+    """`roboscale rl`: post-train a supervised checkpoint with RL in the simulator; checkpoints that `roboscale
+    eval`, `export` and `report` take like any training run's."""
+
+    checkpoint: str = ""
+    """The supervised policy to start from: a training output_dir (its last checkpoint), checkpoints/<step> or
+    a pretrained_model directory."""
+    env: str = "metaworld"
+    """The simulator adapter (a registered name)."""
+    tasks: list[str] = field(default_factory=list)
+    """Tasks or suites to train on."""
+    output_dir: str = "outputs/rl"
+    """Where checkpoints/, metrics.jsonl and tensorboard/ go."""
+    steps: int = 200
+    """Global steps: each rolls out the episodes of one step (see rl.*), then makes one optimizer update."""
+    seed: int = 0
+    """Seed of the optimizer's and sampler's draws."""
+    save_freq: int = 25
+    """Save a checkpoint every this many steps (and at the end)."""
+    log_freq: int = 1
+    """Log metrics every this many steps."""
+    resume: bool = False
+    """Continue from <output_dir>/checkpoints/last exactly where it stopped."""
+    num_threads: int = 0
+    """torch CPU threads of the trainer (0: the machine's cores, shared with the rollout processes)."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5, warmup_steps=0,
+                                                                               min_lr_ratio=1.0))
+    """AdamW; RL's default is a small constant learning rate."""
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint retention and background writes."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism of the trainer (each rank rolls out its share of the step's episode groups)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (training; rollouts run fp32 on the CPU)."""
+    rl: RLOptions = field(default_factory=RLOptions)
+    """The algorithm and the episodes of a step."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(workers=2, envs_per_worker=4))
+    """Env workers and inference servers (their sampler is the stochastic one, at --rl.noise_level)."""
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
+    """Evaluation during training (deterministic sampler, --eval.seed's scenes)."""
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0 or self.save_freq <= 0 or self.log_freq <= 0:
+            raise ConfigError("--steps, --save_freq and --log_freq must be positive integers")

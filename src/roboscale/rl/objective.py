@@ -1,0 +1,98 @@
+"""The RL objectives, as the Trainer's objective: a clipped policy-gradient loss over action chunks.
+
+A batch holds chunks the rollouts recorded: the observation the policy saw, the denoising chain the stochastic
+sampler took (``FlowMatching.sample_chain``), which of the chunk's entries reached the environment (``mask``:
+the executed action steps, the dataset's action dimensions), the chunk's advantage and its weight. The chunk's
+log-probability under the current weights is the chain's (``FlowMatching.chain_log_prob``), computed as the
+acting policy computed the actions: without augmentation or dropout (eval mode), or the ratio would measure them.
+
+Per chunk c with ratio r = exp(log p(c) - log p_old(c)) and advantage A (PPO's clipped surrogate; GRPO uses the
+same with group-relative advantages):
+
+    loss_c = -min(r A, clip(r, 1 - eps, 1 + eps) A) / n,     n = n_action_steps x the dataset's action dims
+
+(n keeps a chunk's gradient the size of one action's, whatever the chunk size). Chunks are weighted by
+1 / (the chunks of their episode), so each episode weighs the same and the metrics that are episode properties
+(success, return, length), averaged with these weights, are means over episodes. In a synchronous step the
+chunks were sampled by the weights being trained (p_old = p, r = 1: the policy gradient A grad log p); the
+clipping matters once rollouts run ahead of the trainer (RL part 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roboscale.configs.rl import RLOptions
+
+SUMMED = frozenset({"episodes", "chunks"})
+VALUES_OF = "values_of"
+"""A batch ``{VALUES_OF: observations}`` asks the objective for the critic's values instead of a loss."""
+
+
+def _detached(mean: Any, values: torch.Tensor) -> torch.Tensor:
+    return mean(values).detach()
+
+
+@contextlib.contextmanager
+def acting_mode(policy: torch.nn.Module) -> Iterator[None]:
+    """The policy as it acted (eval mode: no image shifts, no dropout), gradients still on."""
+    was = policy.training
+    policy.train(False)
+    try:
+        yield
+    finally:
+        policy.train(was)
+
+
+@dataclass
+class PolicyGradientLoss:
+    """The Trainer's objective for GRPO (and PPO's policy term): ``(policy, batch) -> (loss, metrics)``."""
+
+    options: RLOptions
+    summed: frozenset[str] = SUMMED
+
+    def __call__(self, policy: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        device = next(policy.parameters()).device
+        if VALUES_OF in batch:  # PPO, before the step: the critic's values of the rolled-out chunks (no grad)
+            with acting_mode(policy):
+                return policy.value(policy.encode(batch[VALUES_OF], cache=True)), {}
+        chain, mask = batch["chain"].to(device), batch["mask"].to(device)
+        advantage, weight = batch["advantage"].to(device), batch["weight"].to(device)
+        with acting_mode(policy):
+            encoded = policy.encode(batch["observation"], cache=True)
+            log_prob = policy.flow_matching.chain_log_prob(lambda x, t: policy.velocity(encoded, x, t), chain,
+                                                           policy.config.num_inference_steps,
+                                                           self.options.noise_level, mask)
+            value = policy.value(encoded) if self.options.algorithm == "ppo" else None
+        old = batch.get("old_log_prob")
+        old = log_prob.detach() if old is None else old.to(device)
+        ratio = torch.exp(log_prob - old)
+        clip = self.options.clip
+        surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
+        entries = float(policy.config.n_action_steps * batch["action_dims"])
+        total = weight.sum()
+
+        def mean(values: torch.Tensor) -> torch.Tensor:
+            return (values.float() * weight).sum() / total.clamp_min(1e-12)
+
+        policy_loss = -mean(surrogate) / entries
+        extra: dict[str, torch.Tensor] = {}
+        if value is not None:  # PPO's critic regresses the GAE targets
+            value_loss = mean((value - batch["value_target"].to(device)) ** 2)
+            loss = policy_loss + self.options.value_coef * value_loss
+            extra = {"value_loss": value_loss.detach(), "value": mean(value).detach()}
+        else:
+            loss = policy_loss
+        clipped = ((ratio - 1).abs() > clip).float()
+        return loss, {**extra, "loss": loss.detach(), "policy_loss": policy_loss.detach(),
+                      "loss_weight": total.detach(), "ratio": _detached(mean, ratio),
+                      "clip_fraction": _detached(mean, clipped),
+                      "log_prob": _detached(mean, log_prob / mask.flatten(1).sum(1).clamp_min(1)),
+                      "advantage_abs": _detached(mean, advantage.abs()), "success": _detached(mean, batch["success"].to(device)),
+                      "return": _detached(mean, batch["return"].to(device)), "episode_steps": _detached(mean, batch["steps"].to(device)),
+                      "episodes": total.detach(), "chunks": torch.tensor(float(len(weight)), device=device)}

@@ -1,0 +1,109 @@
+"""`roboscale rl`: options, resume, and the Trainer run with the RL job.
+
+The Trainer takes a ``TrainConfig``; RL's own options map onto it (``train_config``): its global batch is the
+step's episodes, its checkpoints are RL's. The ``RLConfig`` itself travels in each checkpoint (the job's state
+entry, ``training_state/rl_state.json``), so that ``--resume=true`` continues with the options the run was
+started with; a resume may change only what does not change the run's trajectory (steps, logging, saving,
+retention, the rollout processes, evaluation during training, threads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from roboscale.config import from_dict, parse, to_dict
+from roboscale.configs.rl import RLConfig
+from roboscale.configs.train import DatasetConfig, TrainConfig
+from roboscale.errors import CheckpointError, ConfigError
+
+PROG = "roboscale rl"
+RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoints.", "num_threads", "resume", "rollout.",
+                     "eval.")
+
+
+def parse_rl_args(argv: list[str]) -> RLConfig:
+    """``roboscale rl`` options; with ``--resume``, the options not given are the checkpoint's own."""
+    cfg = parse(RLConfig, argv, prog=PROG)
+    if not cfg.resume:
+        return cfg
+    from roboscale.train.resume import resume_checkpoint
+
+    saved = saved_rl_config(resume_checkpoint(Path(cfg.output_dir)))
+    merged = parse(RLConfig, argv, defaults=saved, prog=PROG)
+    changed = [key for key, value in _flat(to_dict(merged)).items()
+               if _flat(to_dict(saved)).get(key) != value and not key.startswith(RESUMABLE_CHANGES)]
+    if changed:
+        raise ConfigError(f"--resume: {', '.join(f'--{k}' for k in changed)} differ from the run's own options; a "
+                          "resume continues the same run (start a new --output_dir to change them)")
+    return merged
+
+
+def saved_rl_config(checkpoint: Path) -> RLConfig:
+    from roboscale.rl.job import STATE
+    from roboscale.train.checkpoint import TRAINING_STATE
+
+    path = checkpoint / TRAINING_STATE / f"{STATE}_state.json"
+    try:
+        return from_dict(RLConfig, json.loads(path.read_text())["config"])
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing: not a checkpoint of `roboscale rl`") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(path, f"damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def episodes_per_step(cfg: RLConfig, tasks: list[str]) -> int:
+    return len(tasks) * cfg.rl.states_per_task * cfg.rl.group_size
+
+
+def policy_config(cfg: RLConfig, checkpoint: Path) -> Any:
+    """The trained policy's config: the checkpoint's, with PPO's value head where it has none."""
+    from roboscale.models.config import PolicyConfig
+    from roboscale.models.policy import CONFIG_NAME, read_policy_config
+
+    saved = read_policy_config(checkpoint)
+    if cfg.rl.algorithm == "ppo" and not saved.get("value_head_dim"):
+        saved["value_head_dim"] = cfg.rl.value_head_dim
+    try:
+        return from_dict(PolicyConfig, saved, where=str(checkpoint / CONFIG_NAME))
+    except ConfigError as exc:
+        raise CheckpointError(checkpoint / CONFIG_NAME, str(exc)) from None
+
+
+def train_config(cfg: RLConfig, tasks: list[str], policy: Any) -> TrainConfig:
+    """The Trainer's options for this RL run: one global batch is the step's episodes."""
+    return TrainConfig(dataset=DatasetConfig(root=""), policy=policy, optimizer=cfg.optimizer, steps=cfg.steps,
+                       batch_size=episodes_per_step(cfg, tasks), seed=cfg.seed, output_dir=cfg.output_dir,
+                       save_freq=cfg.save_freq, checkpoint=cfg.checkpoints, eval=cfg.eval, log_freq=cfg.log_freq,
+                       resume=cfg.resume, num_threads=cfg.num_threads, parallel=cfg.parallel,
+                       precision=cfg.precision)
+
+
+def run_rl(cfg: RLConfig, progress: bool = True) -> Path:
+    """Post-train ``cfg.checkpoint`` and return the final checkpoint's ``pretrained_model``."""
+    from roboscale.eval.closed_loop import resolve_checkpoint
+    from roboscale.rl.job import RLJob
+    from roboscale.sim.env import env_spec
+    from roboscale.train.trainer import Trainer
+
+    if not cfg.checkpoint:
+        raise ConfigError("--checkpoint is required: the supervised policy to start from (a training output_dir, "
+                          "checkpoints/<step> or pretrained_model)")
+    if not cfg.tasks:
+        raise ConfigError("--tasks is empty: name the tasks or suites to train on")
+    tasks = env_spec(cfg.env).resolve_tasks(cfg.tasks)
+    checkpoint = resolve_checkpoint(cfg.checkpoint)
+    rollout = cfg.rollout
+    rollout.sampler, rollout.noise_level = "sde", cfg.rl.noise_level
+    train = train_config(cfg, tasks, policy_config(cfg, checkpoint))
+    return Trainer(train, job=RLJob(cfg, checkpoint, tasks), progress=progress).fit()

@@ -1,0 +1,119 @@
+"""A long-lived engine (RL's loop: roll out, train, publish weights, roll out again): one pool across runs, weights
+published with a version to every process that predicts, and a pool restarted after a crash that predicts with
+the published weights, not the checkpoint's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from roboscale.configs.rollout import RolloutConfig
+from roboscale.errors import CheckpointError
+from roboscale.rollout import engine as engine_module
+from roboscale.rollout.engine import RolloutEngine
+from tests.models.helpers import tiny_policy
+from tests.rollout.helpers import CountingLauncher, jobs_for, outcomes, setup_for
+
+EXACT = {"max_batch_size": 1, "inference_threads": 1}  # every policy call the same computation: bit-identical
+
+
+@pytest.fixture
+def launcher(monkeypatch) -> CountingLauncher:
+    launcher = CountingLauncher()
+    monkeypatch.setattr(engine_module, "launcher_for", lambda address: launcher)
+    return launcher
+
+
+def perturbed_state(scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The checkpoint's state with every parameter moved a little (what a training step publishes)."""
+    policy = tiny_policy()
+    generator = torch.Generator().manual_seed(1)
+    state = policy.state_dict()
+    for name, parameter in policy.named_parameters():
+        state[name] = parameter.detach() + scale * torch.randn(parameter.shape, generator=generator)
+    return state
+
+
+def chunks(results) -> list[np.ndarray]:
+    return [c.chunk for r in results for c in r.trajectory.chunks]
+
+
+def versions(results) -> set[int]:
+    return {c.version for r in results for c in r.trajectory.chunks}
+
+
+def same_trajectories(a, b) -> bool:
+    return outcomes(a) == outcomes(b) and all(
+        x.executed == y.executed and np.array_equal(x.chunk, y.chunk) and np.array_equal(x.rewards, y.rewards)
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra.trajectory.chunks, rb.trajectory.chunks, strict=True))
+
+
+@pytest.mark.parametrize("inference", ["server", "worker"])
+def test_a_started_engine_keeps_its_pool_across_runs_and_takes_new_weights(checkpoint, launcher, inference):
+    """Servers (or, with inference=worker, the workers that predict) load the policy once for three runs; the
+    published weights change the actions, and every chunk says which weights predicted it."""
+    jobs = jobs_for(["reach"], 2, record_trajectory=True)
+    cfg = RolloutConfig(workers=2, envs_per_worker=1, inference=inference, **EXACT)
+    with RolloutEngine(cfg, setup_for(checkpoint, max_steps=9)) as engine:
+        first, _ = engine.run(jobs)
+        again, _ = engine.run(jobs)
+        engine.update_weights(perturbed_state(), version=7)
+        updated, stats = engine.run(jobs)
+        assert engine.version == 7
+    expected = {"rollout-worker0": 1, "rollout-worker1": 1}
+    if inference == "server":
+        expected["rollout-server0"] = 1
+    assert launcher.starts == expected  # one pool: the policy was loaded once per process
+    assert same_trajectories(first, again) and versions(first) == {0}
+    assert versions(updated) == {7}
+    assert not np.array_equal(chunks(first)[0], chunks(updated)[0])
+    # each run reports its own work, though the processes live on
+    assert stats.env_steps == sum(r.steps for r in updated) and stats.inference_calls == len(chunks(updated))
+
+
+def test_a_pool_restarted_after_a_crash_predicts_with_the_published_weights(checkpoint, launcher):
+    """A worker dies in the first run after an update: the new pool loads the published weights before it gets a
+    job, so every episode, the restarted ones too, is what a run without the crash gives with those weights."""
+    state = perturbed_state()
+    jobs = jobs_for(["crash-once", "reach"], 1, record_trajectory=True)
+    cfg = RolloutConfig(workers=2, envs_per_worker=1, **EXACT)
+    with RolloutEngine(cfg, setup_for(checkpoint, max_steps=9)) as engine:
+        engine.update_weights(state, version=3)
+        crashed, stats = engine.run(jobs)
+    assert stats.restarts == 1 and launcher.starts["rollout-server0"] == 2
+    assert [r.attempts for r in crashed] == [2, 1] and versions(crashed) == {3}
+    # the reference: a one-shot engine given the weights before it starts (the crash marker is left: no crash)
+    reference = RolloutEngine(cfg, setup_for(checkpoint, max_steps=9))
+    reference.update_weights(state, version=3)
+    clean, clean_stats = reference.run(jobs)
+    assert clean_stats.restarts == 0
+    assert same_trajectories(crashed, clean) and versions(clean) == {3}
+
+
+def test_weights_the_policy_refuses_are_an_error_and_the_last_good_ones_stay_published(checkpoint):
+    good, bad = perturbed_state(), perturbed_state()
+    missing = sorted(bad)[0]
+    del bad[missing]
+    jobs = jobs_for(["reach"], 1, record_trajectory=True)
+    with RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1), setup_for(checkpoint, max_steps=6)) as engine:
+        engine.update_weights(good, version=1)
+        with pytest.raises(CheckpointError, match=f"1 tensors missing for this policy \\(first: '{missing}'\\)"):
+            engine.update_weights(bad, version=2)
+        assert engine.version == 1
+        results, _ = engine.run(jobs)  # on a new pool (the refusing server ended), with version 1
+    assert versions(results) == {1}
+
+
+def test_run_is_not_reentrant_and_update_weights_waits_for_the_run(checkpoint):
+    engine = RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1), setup_for(checkpoint, max_steps=3))
+    refused = []
+
+    def on_result(result):
+        with pytest.raises(RuntimeError, match="between runs") as info:
+            engine.update_weights(perturbed_state(), version=1)
+        refused.append(info.value)
+
+    results, _ = engine.run(jobs_for(["reach"], 1), on_result)
+    assert len(results) == 1 and len(refused) == 1 and engine.version == 0

@@ -1,0 +1,40 @@
+"""``signals_deferred``: Ctrl-C or SIGTERM inside the block acts when the block ends, with the handler then in
+place; nothing is lost and nothing acts early."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from roboscale.utils.lifetime import Terminated, restore_sigterm, signals_deferred, terminate_like_interrupt
+
+
+def test_an_interrupt_inside_the_block_is_raised_when_it_ends() -> None:
+    finished = False
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            finished = True  # the block was not cut short
+    assert finished
+
+
+def test_sigterm_inside_the_block_raises_terminated_after_it() -> None:
+    previous = terminate_like_interrupt()
+    try:
+        finished = False
+        with pytest.raises(Terminated):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                finished = True
+        assert finished
+    finally:
+        restore_sigterm(previous)
+
+
+def test_without_a_signal_the_handlers_are_restored_untouched() -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with signals_deferred():
+        pass
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

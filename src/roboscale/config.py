@@ -198,6 +198,16 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+def flat_options(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A ``to_dict`` tree as {dotted option name: value}, the names the command line uses (``rl.epochs``)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_options(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree

@@ -50,7 +50,8 @@ def test_batched_and_unbatched_evaluations_of_the_real_policy_agree_in_metaworld
                                    "rollout": RolloutConfig(workers=1, envs_per_worker=1, inference="worker")}),
                      progress=False)
     batched = evaluate(EvalConfig(**{**base.__dict__, "output_dir": str(tmp_path / "batched"),
-                                     "rollout": RolloutConfig(workers=2, envs_per_worker=3, batch_timeout_ms=50)}),
+                                     "rollout": RolloutConfig(workers=2, envs_per_worker=3, batch_timeout_ms=50,
+                                                                     inference="server")}),
                        progress=False)
     a = json.loads((tmp_path / "alone" / "report.json").read_text())["episodes"]
     b = json.loads((tmp_path / "batched" / "report.json").read_text())["episodes"]

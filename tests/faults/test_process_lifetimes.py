@@ -173,7 +173,7 @@ def test_a_killed_evaluation_takes_its_env_workers_and_server_with_it(tiny_check
     evaluation that training started runs the same command, under a supervisor that watches the trainer."""
     log = tmp_path / "eval.log"
     evaluation = start(["eval", f"--checkpoint={tiny_checkpoint}", "--tasks=[reach]", "--episodes=40",
-                        "--max_steps=500", "--videos_per_task=0", "--rollout.workers=2",
+                        "--max_steps=500", "--videos_per_task=0", "--rollout.workers=2", "--rollout.inference=server",
                         f"--output_dir={tmp_path / 'eval'}"], log)
     try:
         def started() -> bool:

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from roboscale.configs.rl import RLOptions
+from roboscale.models.flow_matching import sampled_log_density
 from roboscale.rl.objective import PolicyGradientLoss
 from roboscale.rl.rollouts import chunk_batches
 from roboscale.rollout.trajectory import ChunkRecord, Trajectory
 from tests.models.helpers import CAMERAS, tiny_policy
+
+NOISE = RLOptions().noise_level  # the episodes are sampled as the objective's default options score them
 
 
 class _Result:
@@ -36,9 +39,11 @@ def _episode(policy, episode: int, chunks: int, success: bool, seed: int) -> _Re
                                               .copy()) for k in CAMERAS}}
         noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=g)
         steps = torch.randn(1, cfg.num_inference_steps, cfg.chunk_size, cfg.action_dim, generator=g)
-        actions, chain = policy.sample_action_chain(observation, noise, steps, noise_level=0.5)
+        actions, chain = policy.sample_action_chain(observation, noise, steps, noise_level=NOISE)
         executed = cfg.n_action_steps if c < chunks - 1 else 1
-        records.append(ChunkRecord(state, images, "Open a drawer", chain[0].numpy(), actions[0].numpy(), executed,
+        density = sampled_log_density(steps, None, cfg.num_inference_steps, NOISE)[0].numpy()
+        records.append(ChunkRecord(state, images, "Open a drawer", chain[0].numpy(),
+                                   np.ones(cfg.num_inference_steps, bool), density, actions[0].numpy(), executed,
                                    np.zeros(executed, np.float32), 0))
     return _Result(episode, Trajectory("drawer-open", episode, 0, episode, records, success, success))
 
@@ -61,9 +66,10 @@ def _batch(policy, results, advantages):
 def test_on_policy_the_loss_is_minus_the_mean_advantage_and_metrics_are_episode_means(setup) -> None:
     policy, results = setup
     loss, metrics = PolicyGradientLoss(RLOptions())(policy, _batch(policy, results, [1.0, -1.0]))
-    # on-policy the ratio is 1: each episode's chunks average to its advantage, the episodes average to 0
+    # on-policy the ratio is 1 (up to float32 rounding of the recorded against the recomputed log-probabilities):
+    # each episode's chunks average to its advantage, the episodes average to 0
     torch.testing.assert_close(loss, torch.tensor(0.0), atol=1e-6, rtol=0)
-    assert metrics["ratio"] == pytest.approx(1.0) and metrics["clip_fraction"] == 0
+    assert metrics["ratio"] == pytest.approx(1.0, abs=1e-5) and metrics["clip_fraction"] == 0
     assert metrics["success"] == pytest.approx(0.5)  # 1 of 2 episodes, whatever their lengths (3 and 2 chunks)
     n_steps = policy.config.n_action_steps
     assert metrics["episode_steps"] == pytest.approx(((2 * n_steps + 1) + (n_steps + 1)) / 2)  # a mean over episodes
@@ -71,6 +77,19 @@ def test_on_policy_the_loss_is_minus_the_mean_advantage_and_metrics_are_episode_
     n = policy.config.n_action_steps * 4
     loss_one, _ = PolicyGradientLoss(RLOptions())(policy, _batch(policy, results, [1.0, 0.0]))
     assert loss_one.item() == pytest.approx(-0.5 / n, rel=1e-5)  # (1 + 0) / 2 episodes, over n entries
+
+
+def test_the_recorded_log_prob_is_the_one_the_trainer_recomputes(setup) -> None:
+    """The sampler records each entry's density from its draws alone; recomputed through the policy's velocity
+    from the recorded chain, the executed entries give the same chunk log-probabilities."""
+    policy, results = setup
+    batch = _batch(policy, results, [1.0, -1.0])
+    with torch.no_grad():
+        encoded = policy.encode(batch["observation"], cache=True)
+        recomputed = policy.flow_matching.chain_log_prob(lambda x, t: policy.velocity(encoded, x, t),
+                                                         batch["chain"], policy.config.num_inference_steps, NOISE,
+                                                         batch["mask"], batch["stochastic"])
+    torch.testing.assert_close(batch["old_log_prob"], recomputed, rtol=1e-4, atol=1e-3)
 
 
 def test_the_gradient_raises_the_likelihood_of_a_positive_advantage(setup) -> None:
@@ -86,7 +105,8 @@ def test_the_gradient_raises_the_likelihood_of_a_positive_advantage(setup) -> No
         with torch.no_grad():
             encoded = policy.encode(batch["observation"], cache=True)
             return policy.flow_matching.chain_log_prob(lambda x, t: policy.velocity(encoded, x, t), batch["chain"],
-                                                       policy.config.num_inference_steps, 0.5, batch["mask"])
+                                                       policy.config.num_inference_steps, NOISE, batch["mask"],
+                                                      batch["stochastic"])
 
     before = log_prob()
     saved = [p.detach().clone() for p in policy.parameters()]
@@ -109,7 +129,8 @@ def test_a_ratio_outside_the_clip_range_stops_pulling(setup) -> None:
     with torch.no_grad():
         encoded = policy.encode(batch["observation"], cache=True)
         current = policy.flow_matching.chain_log_prob(lambda x, t: policy.velocity(encoded, x, t), batch["chain"],
-                                                      policy.config.num_inference_steps, 0.5, batch["mask"])
+                                                      policy.config.num_inference_steps, NOISE, batch["mask"],
+                                                      batch["stochastic"])
     batch["old_log_prob"] = current - 1.0  # ratio e > 1 + clip for every chunk, all advantages positive
     policy.zero_grad()
     loss, metrics = objective(policy, batch)

@@ -38,7 +38,7 @@ def test_batched_and_unbatched_inference_give_the_same_episodes(checkpoint):
     jobs = jobs_for(["reach", "reach-far"], 4)
     alone, _ = RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1, inference="worker"),
                              setup_for(checkpoint)).run(jobs)
-    batched, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=3, max_batch_size=8,
+    batched, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=3, max_batch_size=8, inference="server",
                                                  batch_timeout_ms=20), setup_for(checkpoint)).run(jobs)
     assert outcomes(alone) == outcomes(batched)
     np.testing.assert_allclose([r.sum_reward for r in alone], [r.sum_reward for r in batched], rtol=1e-5)
@@ -57,7 +57,7 @@ def test_a_batch_goes_as_soon_as_every_group_with_episodes_has_asked(checkpoint)
     groups run out of episodes (each worker says how many of its groups have some), and not with fewer jobs than
     the workers' credits (dealt to every worker, not all to the first)."""
     start = time.monotonic()
-    results, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=2, sub_batches=1,
+    results, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=2, sub_batches=1, inference="server",
                                                  batch_timeout_ms=60_000), setup_for(checkpoint)).run(
         jobs_for(["reach", "reach-far"], 3))
     assert time.monotonic() - start < 60
@@ -141,3 +141,47 @@ def test_a_server_that_cannot_load_the_policy_is_an_error_not_a_hang(tmp_path):
         RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1), setup_for(str(tmp_path / "missing"))).run(
             jobs_for(["reach"], 1))
     assert time.monotonic() - start < 60
+
+
+def _kill_servers() -> list[int]:
+    import multiprocessing
+    import os
+    import signal
+
+    killed = []
+    for process in multiprocessing.active_children():
+        if process.name.startswith("rollout-server"):
+            os.kill(process.pid, signal.SIGKILL)
+            killed.append(process.pid)
+    return killed
+
+
+def test_a_killed_inference_server_is_replaced_and_every_episode_ends_as_without_it(checkpoint):
+    """The server dies after the first episode's result: a new pool starts, the unfinished episodes start again
+    (no attempt charged to them) and every episode ends as in an undisturbed run."""
+    jobs = jobs_for(["reach", "reach-far"], 3)
+    cfg = RolloutConfig(workers=2, envs_per_worker=2, inference="server")
+    clean, _ = RolloutEngine(cfg, setup_for(checkpoint)).run(jobs)
+    killed: list[int] = []
+
+    def kill_once(result) -> None:
+        if not killed:
+            killed.extend(_kill_servers())
+
+    start = time.monotonic()
+    results, stats = RolloutEngine(cfg, setup_for(checkpoint)).run(jobs, on_result=kill_once)
+    assert len(killed) == 1 and stats.restarts == 1 and time.monotonic() - start < 120
+    assert outcomes(results) == outcomes(clean)
+    np.testing.assert_allclose([r.sum_reward for r in results], [r.sum_reward for r in clean], rtol=1e-5)
+    assert all(r.error is None and r.attempts == 1 for r in results) and not stats.retries
+
+
+def test_servers_that_keep_dying_end_the_run_with_an_error(checkpoint):
+    from roboscale.errors import WorkerError
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"the inference servers keep failing .*server0: the inference server "
+                                          r"died \(killed by signal 9\)\); gave up after 2 restarts"):
+        RolloutEngine(RolloutConfig(workers=1, envs_per_worker=2, max_retries=1, inference="server"),
+                      setup_for(checkpoint)).run(jobs_for(["reach"], 8), on_result=lambda result: _kill_servers())
+    assert time.monotonic() - start < 120

@@ -78,7 +78,7 @@ def test_a_pool_restarted_after_a_crash_predicts_with_the_published_weights(chec
     job, so every episode, the restarted ones too, is what a run without the crash gives with those weights."""
     state = perturbed_state()
     jobs = jobs_for(["crash-once", "reach"], 1, record_trajectory=True)
-    cfg = RolloutConfig(workers=2, envs_per_worker=1, **EXACT)
+    cfg = RolloutConfig(workers=2, envs_per_worker=1, inference="server", **EXACT)
     with RolloutEngine(cfg, setup_for(checkpoint, max_steps=9)) as engine:
         engine.update_weights(state, version=3)
         crashed, stats = engine.run(jobs)
@@ -92,9 +92,30 @@ def test_a_pool_restarted_after_a_crash_predicts_with_the_published_weights(chec
     assert same_trajectories(crashed, clean) and versions(clean) == {3}
 
 
+def test_a_generator_killed_mid_run_is_replaced_by_one_with_the_published_weights(checkpoint, launcher):
+    """The inference server (RL's generator) dies after the first episode of a run that follows an update: the
+    new pool's server loads the published weights, the unfinished episodes start again, no attempt is charged,
+    and every trajectory is the one a run without the kill gives."""
+    from tests.rollout.test_engine import _kill_servers
+
+    state = perturbed_state()
+    jobs = jobs_for(["reach", "reach-far"], 2, record_trajectory=True)
+    cfg = RolloutConfig(workers=2, envs_per_worker=1, inference="server", **EXACT)
+    killed: list[int] = []
+    with RolloutEngine(cfg, setup_for(checkpoint, max_steps=9)) as engine:
+        engine.update_weights(state, version=4)
+        results, stats = engine.run(jobs, on_result=lambda r: killed or killed.extend(_kill_servers()))
+    assert len(killed) == 1 and stats.restarts == 1 and launcher.starts["rollout-server0"] == 2
+    assert all(r.attempts == 1 for r in results) and versions(results) == {4}
+    reference = RolloutEngine(cfg, setup_for(checkpoint, max_steps=9))
+    reference.update_weights(state, version=4)
+    clean, _ = reference.run(jobs)
+    assert same_trajectories(results, clean)
+
+
 def test_weights_the_policy_refuses_are_an_error_and_the_last_good_ones_stay_published(checkpoint):
     good, bad = perturbed_state(), perturbed_state()
-    missing = sorted(bad)[0]
+    missing = min(bad)
     del bad[missing]
     jobs = jobs_for(["reach"], 1, record_trajectory=True)
     with RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1), setup_for(checkpoint, max_steps=6)) as engine:

@@ -43,8 +43,10 @@ def samples() -> list:
     images = {"corner2": rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)}
     item = PredictItem(1, 77, 3, "Open a drawer", rng.standard_normal(4).astype(np.float32), images)
     chain = rng.standard_normal((4, 6, 4)).astype(np.float32)
-    prediction = Prediction(chain[-1] * 2, chain, 5)
-    record = ChunkRecord(item.state, images, item.instruction, chain, prediction.chunk, 2,
+    stochastic = np.array([False, True, False])
+    density = rng.standard_normal((6, 4)).astype(np.float32)
+    prediction = Prediction(chain[-1] * 2, chain, 5, stochastic, density)
+    record = ChunkRecord(item.state, images, item.instruction, chain, stochastic, density, prediction.chunk, 2,
                          np.array([-0.5, -0.25], np.float32), 5)
     trajectory = Trajectory("reach", 0, 11, 12, [record], True, True)
     result = EpisodeResult("reach", 0, 11, True, 2, -0.75, -0.25).to_dict()

@@ -13,10 +13,9 @@ from roboscale.utils.lifetime import Terminated, restore_sigterm, signals_deferr
 
 def test_an_interrupt_inside_the_block_is_raised_when_it_ends() -> None:
     finished = False
-    with pytest.raises(KeyboardInterrupt):
-        with signals_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            finished = True  # the block was not cut short
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        finished = True  # the block was not cut short
     assert finished
 
 
@@ -24,10 +23,9 @@ def test_sigterm_inside_the_block_raises_terminated_after_it() -> None:
     previous = terminate_like_interrupt()
     try:
         finished = False
-        with pytest.raises(Terminated):
-            with signals_deferred():
-                os.kill(os.getpid(), signal.SIGTERM)
-                finished = True
+        with pytest.raises(Terminated), signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            finished = True
         assert finished
     finally:
         restore_sigterm(previous)

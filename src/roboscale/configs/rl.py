@@ -22,16 +22,28 @@ class RLOptions:
     group_size: int = 8
     """Episodes per initial state and step (GRPO's group; PPO: the same episodes, advantages from the critic)."""
     states_per_task: int = 1
-    """Initial states per task and step: a step rolls out tasks x states_per_task x group_size episodes."""
+    """Initial states per task and rollout: a rollout is tasks x states_per_task x group_size episodes."""
+    epochs: int = 1
+    """Optimizer steps on each rollout (PPO's update epochs): each takes the whole rollout, and from the second
+    on the clipped importance ratio keeps the update near the weights that acted. --steps, --save_freq and
+    --eval.every count optimizer steps and must be multiples of it (checkpoints fall between rollouts)."""
     reward: str = "success"
     """success: 1 at the step an episode succeeds, else 0 (sparse); shaped: the simulator's own per-step reward."""
     max_steps: int = 200
     """Steps before an episode is cut off (a failure)."""
     clip: float = 0.2
     """PPO's clipped ratio: updates stop pulling once a chunk's likelihood ratio leaves [1 - clip, 1 + clip]."""
-    noise_level: float = 0.5
+    noise_level: float = 1.0
     """The stochastic sampler's noise (Flow-SDE's g): exploration, and what makes a chunk's likelihood exist.
-    Evaluation keeps the deterministic sampler."""
+    Only the stochastic steps' noise is credited by the likelihood, not the chunk's starting noise; at 1.0 (with
+    one stochastic step) it spreads the demo policy's actions ~1.5x more than the starting noise does, at 0.5 only
+    half as much, and RL did not lift the weak tasks (docs/benchmarks.md). Evaluation keeps the deterministic
+    sampler."""
+    sde_steps: int = 1
+    """Denoising steps per chunk that draw noise (chosen per episode and chunk), the others following the ODE:
+    πRL's hybrid ODE-SDE sampling. A chunk's likelihood is that of its stochastic steps, so training runs the
+    action expert this many times per chunk instead of num_inference_steps. 0: every step (the full Flow-SDE
+    chain)."""
     gamma: float = 0.99
     """PPO: discount per action chunk."""
     gae_lambda: float = 0.95
@@ -49,7 +61,9 @@ class RLOptions:
             raise ConfigError(f"--rl.algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
         if self.reward not in REWARDS:
             raise ConfigError(f"--rl.reward must be one of {list(REWARDS)}, got {self.reward!r}")
-        for name in ("group_size", "states_per_task", "max_steps"):
+        if self.sde_steps < 0:
+            raise ConfigError(f"--rl.sde_steps must be >= 0, got {self.sde_steps}")
+        for name in ("group_size", "states_per_task", "epochs", "max_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--rl.{name} must be a positive integer, got {getattr(self, name)}")
         if self.algorithm == "grpo" and self.group_size < 2:
@@ -77,7 +91,8 @@ class RLConfig:
     output_dir: str = "outputs/rl"
     """Where checkpoints/, metrics.jsonl and tensorboard/ go."""
     steps: int = 200
-    """Global steps: each rolls out the episodes of one step (see rl.*), then makes one optimizer update."""
+    """Optimizer steps: every --rl.epochs of them roll out the episodes of one rollout (see rl.*) with the
+    current weights first."""
     seed: int = 0
     """Seed of the optimizer's and sampler's draws."""
     save_freq: int = 25
@@ -107,3 +122,8 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.steps <= 0 or self.save_freq <= 0 or self.log_freq <= 0:
             raise ConfigError("--steps, --save_freq and --log_freq must be positive integers")
+        epochs = self.rl.epochs
+        for name, value in (("steps", self.steps), ("save_freq", self.save_freq), ("eval.every", self.eval.every)):
+            if value % epochs:
+                raise ConfigError(f"--{name}={value} is not a multiple of --rl.epochs={epochs}: a checkpoint must fall "
+                                  "between rollouts (a resume rolls out again)")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from roboscale.errors import ConfigError
 
-INFERENCE_MODES = ("server", "worker")
+INFERENCE_MODES = ("auto", "server", "worker")
 RENDER_MODES = ("on_demand", "every_step")
 SAMPLERS = ("ode", "sde")
 
@@ -27,16 +27,20 @@ class RolloutConfig:
     """Built environments each env worker keeps for reuse after their slots moved to other tasks (the oldest
     beyond this many is closed): a MetaWorld environment takes ~0.8 s of CPU to build and ~120 MB to keep, and
     runs that alternate between tasks (RL steps, evaluation of several tasks) would otherwise rebuild them."""
-    inference: str = "server"
-    """server: inference servers batch the observations of all workers; worker: each worker holds its own
-    policy and predicts for its own environments (the design before the engine; a baseline)."""
+    inference: str = "auto"
+    """server: inference servers batch the observations of all workers (one copy of the policy per server, on its
+    GPU); worker: each worker holds its own policy and predicts for its own environments, in one batch (or in
+    slices of max_batch_size); auto: worker where the policy runs on the CPU (there a server only takes a core from
+    the workers: 3.18x the batch-of-one baseline against the server's 2.31x on 2 cores, docs/benchmarks.md),
+    server where it runs on a GPU."""
     render: str = "on_demand"
     """on_demand: cameras render only the observations the policy will see (the step before each new chunk, every
     n_action_steps) and video frames; every_step: render every step (the design before the engine; a baseline)."""
     servers: int = 1
     """Inference server processes (one per GPU on a GPU machine)."""
     max_batch_size: int = 32
-    """A server runs the policy as soon as this many observations wait..."""
+    """A server runs the policy as soon as this many observations wait... (a worker that predicts itself runs it
+    on at most this many at a time)"""
     batch_timeout_ms: float = 5.0
     """...or this long after the first of them arrived."""
     device: str = "auto"
@@ -59,6 +63,9 @@ class RolloutConfig:
     and the denoising chain recorded with each chunk)."""
     noise_level: float = 0.5
     """The sde sampler's noise level g (> 0): the standard deviation of a step is g * sqrt(1 / steps)."""
+    sde_steps: int = 0
+    """Denoising steps of each chunk that draw noise under the sde sampler, chosen per episode and chunk; the
+    others are the ODE's (πRL's hybrid ODE-SDE sampling: training then recomputes only those steps). 0: all."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "envs_per_worker", "sub_batches", "servers", "max_batch_size"):
@@ -72,6 +79,8 @@ class RolloutConfig:
             raise ConfigError(f"--rollout.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.sampler == "sde" and not self.noise_level > 0:  # `not >`: NaN too
             raise ConfigError(f"--rollout.noise_level must be > 0 for --rollout.sampler=sde, got {self.noise_level}")
+        if self.sde_steps < 0:
+            raise ConfigError(f"--rollout.sde_steps must be >= 0, got {self.sde_steps}")
         if (self.batch_timeout_ms < 0 or self.max_retries < 0 or self.watchdog_s <= 0 or self.inference_threads < 0
                 or self.spare_envs < 0):
             raise ConfigError("--rollout.batch_timeout_ms, max_retries, inference_threads and spare_envs must be "

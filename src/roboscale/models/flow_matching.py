@@ -98,8 +98,8 @@ class FlowMatching:
             return [1.0 - i / steps for i in range(steps + 1)]
         return [i / steps for i in range(steps + 1)]
 
-    def sde_step(self, x: torch.Tensor, v: torch.Tensor, t: float, steps: int, noise_level: float
-                 ) -> tuple[torch.Tensor, float]:
+    def sde_step(self, x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, steps: int,
+                 noise_level: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and standard deviation of x at the next time of the schedule, from x at time ``t`` and the
         predicted velocity ``v`` there, under the SDE whose marginals are the flow's (Flow-SDE; see
         docs/architecture.md): with n(t) the noise fraction of x_t (t for pi0's convention, 1 - t for GR00T's),
@@ -107,52 +107,87 @@ class FlowMatching:
 
             mean = x + dt * v  -  |dt| * (g^2 / 2) * (x + (1 - n) v') / n,     std = g * sqrt(|dt|)
 
-        for a step dt towards the data end and noise level g. g = 0 is ``sample``'s Euler step exactly."""
+        for a step dt towards the data end and noise level g. ``t`` and ``g`` are numbers or per-sample tensors
+        [B] (a deterministic step of the hybrid sampler has g = 0: exactly ``sample``'s Euler step)."""
         dt = 1.0 / steps
+        t, g = _per_sample(t, x), _per_sample(noise_level, x)
         if self.data_at == 0:  # t goes down; v = noise - actions points at the noise end
             n, towards_noise, euler = t, v, x - dt * v
         else:  # t goes up; v = actions - noise points at the data end
             n, towards_noise, euler = 1.0 - t, -v, x + dt * v
-        if noise_level == 0:
-            return euler, 0.0
-        correction = (noise_level ** 2 / 2) * (x + (1.0 - n) * towards_noise) / max(n, 1e-6)
-        return euler - dt * correction, noise_level * dt ** 0.5
+        correction = (g ** 2 / 2) * (x + (1.0 - n) * towards_noise) / n.clamp_min(1e-6)
+        return euler - dt * correction, g * dt ** 0.5
 
     def sample_chain(self, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
-                     step_noise: torch.Tensor, steps: int, noise_level: float) -> torch.Tensor:
+                     step_noise: torch.Tensor, steps: int, noise_level: float,
+                     stochastic: torch.Tensor | None = None) -> torch.Tensor:
         """Flow-SDE sampling: the chain x_0 (= ``noise``) .. x_K (the sampled actions), float [B, K + 1, T, A].
         ``step_noise`` [B, K, T, A]: the standard normal draws of the K steps (drawn per episode and chunk by the
-        caller, as ``noise`` is, so a sample does not depend on its batch)."""
+        caller, as ``noise`` is, so a sample does not depend on its batch). ``stochastic`` [B, K] bool: the steps
+        that draw noise, the others are the ODE's (πRL's hybrid ODE-SDE sampling); None: all of them."""
         x, chain = noise, [noise]
         times = self.times(steps)
         for k in range(steps):
             t = torch.full((x.shape[0],), times[k], device=x.device, dtype=x.dtype)
-            mean, std = self.sde_step(x, velocity(x, t), times[k], steps, noise_level)
+            g = noise_level if stochastic is None else noise_level * stochastic[:, k].to(x.device, x.dtype)
+            mean, std = self.sde_step(x, velocity(x, t), t, steps, g)
             x = mean + std * step_noise[:, k].to(mean.dtype)
             chain.append(x)
         return torch.stack(chain, 1)
 
     def chain_log_prob(self, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], chain: torch.Tensor,
-                       steps: int, noise_level: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(x_1 .. x_K | x_0) [B] of recorded chains [B, K + 1, T, A] under ``velocity`` (differentiable):
-        the sum over steps of the Gaussian step densities, over the entries ``mask`` [B, T, A] keeps (the action
-        steps an environment executed, the dataset's action dimensions: the rest never reached the world)."""
+                       steps: int, noise_level: float, mask: torch.Tensor | None = None,
+                       stochastic: torch.Tensor | None = None) -> torch.Tensor:
+        """log p [B] of recorded chains [B, K + 1, T, A] under ``velocity`` (differentiable): the sum of the
+        Gaussian densities of the stochastic steps (``stochastic`` [B, K] bool, the same number per sample; None:
+        all K), each given the recorded x_k it started from (the denoising steps are steps of the decision process,
+        so a deterministic step adds nothing and costs no velocity), over the entries ``mask`` [B, T, A] keeps (the
+        action steps an environment executed, the dataset's action dimensions: the rest never reached the world).
+        """
         if noise_level <= 0:
             raise ValueError("a likelihood needs a stochastic sampler: noise_level > 0")
-        times = self.times(steps)
-        total = chain.new_zeros(chain.shape[0])
-        for k in range(steps):
-            x = chain[:, k]
-            t = torch.full((x.shape[0],), times[k], device=x.device, dtype=x.dtype)
-            mean, std = self.sde_step(x, velocity(x, t), times[k], steps, noise_level)
-            density = gaussian_log_density(chain[:, k + 1], mean, std)
+        b = chain.shape[0]
+        if stochastic is None:
+            chosen = torch.arange(steps, device=chain.device).expand(b, steps)
+        else:
+            counts = stochastic.sum(1)
+            if b and not bool((counts == counts[0]).all()):
+                raise ValueError("every chain of a batch must have the same number of stochastic steps")
+            chosen = stochastic.to(chain.device).nonzero()[:, 1].view(b, -1)  # row-major: each sample's, in order
+        times = torch.tensor(self.times(steps), device=chain.device, dtype=chain.dtype)
+        rows = torch.arange(b, device=chain.device)
+        total = chain.new_zeros(b)
+        for k in chosen.unbind(1):
+            x, t = chain[rows, k], times[k]
+            mean, std = self.sde_step(x, velocity(x, t), t, steps, noise_level)
+            density = gaussian_log_density(chain[rows, k + 1], mean, std)
             total = total + (density if mask is None else density * mask).flatten(1).sum(1)
         return total
 
 
-def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+def sampled_log_density(step_noise: torch.Tensor, stochastic: torch.Tensor | None, steps: int,
+                        noise_level: float) -> torch.Tensor:
+    """[B, T, A]: the log-density of each entry of chains ``sample_chain`` drew, summed over their stochastic steps,
+    under the weights that drew them. A stochastic step's x_{k+1} is mean + std * eps, so its density is that of
+    the standard draw eps alone (no velocity is needed): what the acting policy's log-probability was, recorded
+    with each chunk for the importance ratio of later updates."""
+    std = noise_level * (1.0 / steps) ** 0.5
+    density = -0.5 * step_noise.float() ** 2 - math.log(std) - 0.5 * math.log(2 * math.pi)  # [B, K, T, A]
+    if stochastic is not None:
+        density = density * stochastic.to(density.device, density.dtype)[:, :, None, None]
+    return density.sum(1)
+
+
+def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A number or a per-sample tensor [B] as a tensor that broadcasts over ``like`` [B, ...]."""
+    value = torch.as_tensor(value, device=like.device, dtype=like.dtype)
+    return value.view(-1, *([1] * (like.dim() - 1))) if value.dim() else value
+
+
+def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, std: float | torch.Tensor) -> torch.Tensor:
     """Elementwise log N(x; mean, std^2)."""
-    return -0.5 * ((x - mean) / std) ** 2 - math.log(std) - 0.5 * math.log(2 * math.pi)
+    std = torch.as_tensor(std, device=x.device, dtype=x.dtype)
+    return -0.5 * ((x - mean) / std) ** 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)
 
 
 def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:

@@ -183,14 +183,17 @@ class Policy(nn.Module):
 
     @torch.no_grad()
     def sample_action_chain(self, observation: Any, noise: torch.Tensor, step_noise: torch.Tensor,
-                            noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            noise_level: float, stochastic: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """``predict_action_chunk`` with the stochastic sampler (Flow-SDE, ``FlowMatching.sample_chain``): the
         actions in the dataset's units and the whole denoising chain [B, K + 1, T, action_dim] (normalized), from
-        which the chunk's log-probability is recomputed in training. ``step_noise`` [B, K, T, action_dim]."""
+        which the chunk's log-probability is recomputed in training. ``step_noise`` [B, K, T, action_dim];
+        ``stochastic`` [B, K] bool: the steps that draw noise (None: all)."""
         encoded = self.encode(observation, cache=True)
         device = next(self.parameters()).device
         chain = self.flow_matching.sample_chain(lambda x, t: self.velocity(encoded, x, t), noise.to(device),
-                                                step_noise.to(device), self.config.num_inference_steps, noise_level)
+                                                step_noise.to(device), self.config.num_inference_steps, noise_level,
+                                                None if stochastic is None else stochastic.to(device))
         return self.action_normalizer.unnormalize(chain[:, -1]), chain
 
     # --- persistence ----------------------------------------------------------------------------------------

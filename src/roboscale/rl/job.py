@@ -7,7 +7,7 @@ telemetry, evaluation during training) is the Trainer's, as for supervised train
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,17 +23,19 @@ STATE = "rl"
 
 
 class WeightPublisher:
-    """Step hook: after each optimizer step, the rollout engine's servers take the new weights with their version
-    (the number of the step that made them). ``ensure_current`` publishes before a rollout when the servers hold
-    older weights (a resumed run, a skipped step)."""
+    """Step hook: after an optimizer step that a rollout follows, the rollout engine's servers take the new
+    weights with their version (the number of the step that made them). ``ensure_current`` publishes before a
+    rollout when the servers hold older weights (a resumed run, a skipped step)."""
 
-    def __init__(self, engine: Any, version: int = 0):
+    def __init__(self, engine: Any, version: int = 0, due: Callable[[], bool] = lambda: True):
         self.engine = engine
         self.version = version
         """The version the servers hold: 0 is the supervised checkpoint they start from."""
+        self.due = due  # whether a rollout comes next (not another epoch on the last one)
 
     def __call__(self, trainer: Any) -> None:
-        self.publish(trainer, trainer.step)  # hooks run once the trainer has counted the step it applied
+        if self.due():
+            self.publish(trainer, trainer.step)  # hooks run once the trainer has counted the step it applied
 
     def ensure_current(self, trainer: Any) -> None:
         if self.version != trainer.step:
@@ -97,10 +99,11 @@ class RLJob:
                               "ranks (each rank rolls out whole groups)")
         engine = RolloutEngine(cfg.rollout, rl_env_setup(cfg, self.checkpoint, self.tasks, trainer.policy.config))
         engine.start()  # one pool for the whole run: its servers take each step's weights
-        publisher = WeightPublisher(engine)
         source = RolloutSource(cfg.rl, self.tasks, engine, trainer.policy.config, rank=trainer.env.rank,
-                               world_size=trainer.plan.dp_size, before_rollout=lambda: publisher.ensure_current(trainer),
+                               world_size=trainer.plan.dp_size,
+                               before_rollout=lambda: publisher.ensure_current(trainer),
                                value_fn=lambda batches: critic_values(trainer, batches))
+        publisher = WeightPublisher(engine, due=lambda: source.rolls_out_next)
         return TrainingComponents(data=source, objective=PolicyGradientLoss(cfg.rl), hooks=[publisher],
                                   state={STATE: RLState(cfg)}, counts_flops=False)
 

@@ -1,8 +1,10 @@
 """The RL objectives, as the Trainer's objective: a clipped policy-gradient loss over action chunks.
 
 A batch holds chunks the rollouts recorded: the observation the policy saw, the denoising chain the stochastic
-sampler took (``FlowMatching.sample_chain``), which of the chunk's entries reached the environment (``mask``:
-the executed action steps, the dataset's action dimensions), the chunk's advantage and its weight. The chunk's
+sampler took (``FlowMatching.sample_chain``) and which of its steps drew noise (``stochastic``), which of the
+chunk's entries reached the environment (``mask``: the executed action steps, the dataset's action dimensions),
+its log-probability under the weights that sampled it (``old_log_prob``, recorded by the sampler), the chunk's
+advantage and its weight. The chunk's
 log-probability under the current weights is the chain's (``FlowMatching.chain_log_prob``), computed as the
 acting policy computed the actions: without augmentation or dropout (eval mode), or the ratio would measure them.
 
@@ -14,8 +16,8 @@ same with group-relative advantages):
 (n keeps a chunk's gradient the size of one action's, whatever the chunk size). Chunks are weighted by
 1 / (the chunks of their episode), so each episode weighs the same and the metrics that are episode properties
 (success, return, length), averaged with these weights, are means over episodes. In a synchronous step the
-chunks were sampled by the weights being trained (p_old = p, r = 1: the policy gradient A grad log p); the
-clipping matters once rollouts run ahead of the trainer (RL part 2).
+chunks were sampled by the weights being trained (p_old = p up to float rounding, r = 1: the policy gradient
+A grad log p); the clipping matters once rollouts run ahead of the trainer (RL part 2).
 """
 
 from __future__ import annotations
@@ -67,11 +69,10 @@ class PolicyGradientLoss:
             encoded = policy.encode(batch["observation"], cache=True)
             log_prob = policy.flow_matching.chain_log_prob(lambda x, t: policy.velocity(encoded, x, t), chain,
                                                            policy.config.num_inference_steps,
-                                                           self.options.noise_level, mask)
+                                                           self.options.noise_level, mask,
+                                                           batch["stochastic"].to(device))
             value = policy.value(encoded) if self.options.algorithm == "ppo" else None
-        old = batch.get("old_log_prob")
-        old = log_prob.detach() if old is None else old.to(device)
-        ratio = torch.exp(log_prob - old)
+        ratio = torch.exp(log_prob - batch["old_log_prob"].to(device))
         clip = self.options.clip
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
         entries = float(policy.config.n_action_steps * batch["action_dims"])
@@ -89,9 +90,11 @@ class PolicyGradientLoss:
         else:
             loss = policy_loss
         clipped = ((ratio - 1).abs() > clip).float()
+        # how far the weights moved from those that acted (0 on-policy): PPO's approximate KL, (r - 1) - log r
+        approx_kl = (ratio.detach() - 1) - (log_prob.detach() - batch["old_log_prob"].to(device))
         return loss, {**extra, "loss": loss.detach(), "policy_loss": policy_loss.detach(),
                       "loss_weight": total.detach(), "ratio": _detached(mean, ratio),
-                      "clip_fraction": _detached(mean, clipped),
+                      "clip_fraction": _detached(mean, clipped), "approx_kl": _detached(mean, approx_kl),
                       "log_prob": _detached(mean, log_prob / mask.flatten(1).sum(1).clamp_min(1)),
                       "advantage_abs": _detached(mean, advantage.abs()), "success": _detached(mean, batch["success"].to(device)),
                       "return": _detached(mean, batch["return"].to(device)), "episode_steps": _detached(mean, batch["steps"].to(device)),

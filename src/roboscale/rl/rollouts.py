@@ -6,9 +6,12 @@ advantages, and returns them as micro-batches; the optimizer step follows, then 
 (``WeightPublisher``, a step hook) before the next rollout. Nothing is in flight between steps, so a checkpoint
 needs only the step (``state_dict``): a resumed run rolls out the same episodes again.
 
-Which episodes a step runs depends on the step alone: for each task, ``states_per_task`` initial states
-(``episode_seed(rl.seed, task, step * states_per_task + s)``) and ``group_size`` episodes from each, whose noise
-comes from their own ``noise_seed``. Groups are dealt to ranks by index (group g to rank g mod ranks) and each
+With ``--rl.epochs=E`` each rollout serves E optimizer steps (the same chunks each time; their recorded
+log-probabilities are the acting weights', so the later epochs' ratios measure how far the updates went).
+
+Which episodes a rollout runs depends on its number alone: for each task, ``states_per_task`` initial states
+(``episode_seed(rl.seed, task, rollout * states_per_task + s)``) and ``group_size`` episodes from each, whose
+noise comes from their own ``noise_seed``. Groups are dealt to ranks by index (group g to rank g mod ranks) and each
 rank rolls out its own on its own engine, so a step's global batch, its advantages (a group never straddles
 ranks) and its losses do not depend on the number of ranks or env workers.
 """
@@ -102,13 +105,17 @@ def _collate(rows: list[tuple], image_keys: list[str], state_key: str, action_di
         images = np.stack([c.images[name] for c in chunks]).transpose(0, 3, 1, 2)
         observation[key] = torch.from_numpy(np.ascontiguousarray(images))
     chain = torch.from_numpy(np.stack([c.chain for c in chunks]))
+    stochastic = torch.from_numpy(np.stack([c.stochastic for c in chunks]))
     data_dims = chunks[0].chunk.shape[-1]
     mask = torch.zeros(chain.shape[0], chain.shape[2], chain.shape[3])
     for i, c in enumerate(chunks):
         mask[i, :c.executed, :data_dims] = 1.0
+    # the acting weights' log-probability of each chunk, as sampled: the importance ratio's denominator
+    old_log_prob = (torch.from_numpy(np.stack([c.log_density for c in chunks])) * mask).flatten(1).sum(1)
     columns = list(zip(*[row[1:] for row in rows], strict=True))
     advantage, weight, success, ret, steps = (torch.tensor(col, dtype=torch.float32) for col in columns)
-    return {"observation": observation, "chain": chain, "mask": mask, "advantage": advantage, "weight": weight,
+    return {"observation": observation, "chain": chain, "stochastic": stochastic, "mask": mask,
+            "old_log_prob": old_log_prob, "advantage": advantage, "weight": weight,
             "success": success, "return": ret, "steps": steps, "action_dims": data_dims}
 
 
@@ -127,14 +134,31 @@ class RolloutSource:
         self.action_dim = policy_config.action_dim
         self.rank, self.world_size, self.max_chunks = rank, world_size, max_chunks
         self.step = 0
+        """Batches handed out (the trainer's optimizer steps); rollout r serves steps r * epochs ... + epochs - 1."""
+        self._batches: list[dict[str, Any]] | None = None
         self.episodes = 0
         self.failed_episodes = 0
         self.env_steps = 0
         self.rollout_s = 0.0
 
+    @property
+    def rolls_out_next(self) -> bool:
+        """Whether the next ``next()`` rolls out (with the weights then published) rather than training again on
+        the last rollout (``--rl.epochs``)."""
+        return self.step % self.options.epochs == 0
+
     def __next__(self) -> list[dict[str, Any]]:
-        groups = [g for g in step_groups(self.options, self.tasks, self.step) if g.index % self.world_size == self.rank]
-        jobs = episode_jobs(self.options, groups, self.step)
+        if not self.rolls_out_next and self._batches is not None:  # another epoch on the same rollout
+            self.step += 1
+            return self._batches
+        self._batches = self._roll_out(self.step // self.options.epochs)
+        self.step += 1
+        return self._batches
+
+    def _roll_out(self, rollout: int) -> list[dict[str, Any]]:
+        """Rollout number ``rollout``'s chunks on this rank, with their advantages."""
+        groups = [g for g in step_groups(self.options, self.tasks, rollout) if g.index % self.world_size == self.rank]
+        jobs = episode_jobs(self.options, groups, rollout)
         if self.before_rollout is not None:
             self.before_rollout()
         results, stats = self.engine.run(jobs)
@@ -144,7 +168,6 @@ class RolloutSource:
         self.failed_episodes += len(results) - len(usable)  # a simulator that kept failing: counted, not used
         self.episodes += len(usable)
         returns = np.array([episode_return(r.trajectory, self.options.reward) for r in usable], dtype=np.float32)
-        self.step += 1
         if self.options.algorithm == "grpo":
             members = np.array([r.episode // self.options.group_size for r in usable])
             return chunk_batches(usable, group_advantages(returns, members), returns, image_keys=self.image_keys,
@@ -177,6 +200,8 @@ class RolloutSource:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step = int(state["step"])
+        if self.step % self.options.epochs:  # RLConfig keeps checkpoints between rollouts
+            raise ValueError(f"step {self.step} is inside a rollout of {self.options.epochs} epochs")
         self.episodes = int(state.get("episodes", 0))
         self.failed_episodes = int(state.get("failed_episodes", 0))
 

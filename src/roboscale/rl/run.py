@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from roboscale.config import from_dict, parse, to_dict
+from roboscale.config import flat_options, from_dict, parse, to_dict
 from roboscale.configs.rl import RLConfig
 from roboscale.configs.train import DatasetConfig, TrainConfig
 from roboscale.errors import CheckpointError, ConfigError
@@ -32,8 +32,9 @@ def parse_rl_args(argv: list[str]) -> RLConfig:
 
     saved = saved_rl_config(resume_checkpoint(Path(cfg.output_dir)))
     merged = parse(RLConfig, argv, defaults=saved, prog=PROG)
-    changed = [key for key, value in _flat(to_dict(merged)).items()
-               if _flat(to_dict(saved)).get(key) != value and not key.startswith(RESUMABLE_CHANGES)]
+    before = flat_options(to_dict(saved))
+    changed = [key for key, value in flat_options(to_dict(merged)).items()
+               if before.get(key) != value and not key.startswith(RESUMABLE_CHANGES)]
     if changed:
         raise ConfigError(f"--resume: {', '.join(f'--{k}' for k in changed)} differ from the run's own options; a "
                           "resume continues the same run (start a new --output_dir to change them)")
@@ -51,15 +52,6 @@ def saved_rl_config(checkpoint: Path) -> RLConfig:
         raise CheckpointError(path, "missing: not a checkpoint of `roboscale rl`") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(path, f"damaged ({type(exc).__name__}: {exc})") from None
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
-    return out
 
 
 def episodes_per_step(cfg: RLConfig, tasks: list[str]) -> int:
@@ -104,6 +96,6 @@ def run_rl(cfg: RLConfig, progress: bool = True) -> Path:
     tasks = env_spec(cfg.env).resolve_tasks(cfg.tasks)
     checkpoint = resolve_checkpoint(cfg.checkpoint)
     rollout = cfg.rollout
-    rollout.sampler, rollout.noise_level = "sde", cfg.rl.noise_level
+    rollout.sampler, rollout.noise_level, rollout.sde_steps = "sde", cfg.rl.noise_level, cfg.rl.sde_steps
     train = train_config(cfg, tasks, policy_config(cfg, checkpoint))
     return Trainer(train, job=RLJob(cfg, checkpoint, tasks), progress=progress).fit()

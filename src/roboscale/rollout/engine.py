@@ -24,8 +24,10 @@ process of several environments does not say which one crashed it); each is retr
 up to ``max_retries`` times and then reported as a failed episode with the reason. A dead or hung worker is
 killed and the whole pool restarted: the channels it shared with the others may be left locked by a process
 killed mid-write, and a restart is cheap next to a hang. Episodes other workers had in progress start again
-(their outcome is the same). A server that fails, or an error that is not a simulator's (a bad checkpoint or
-env adapter), ends the run with that error.
+(their outcome is the same). An inference server that dies or hangs is replaced the same way (the new pool loads
+the latest published weights; no episode is charged an attempt, and after ``max_retries`` lost servers in one run
+the run fails). A process that reports it cannot work (a bad checkpoint or env adapter, a failed prediction) ends
+the run with that error.
 """
 
 from __future__ import annotations
@@ -106,10 +108,20 @@ class RolloutStats:
     """Why the servers' batches went (``rollout.batcher``): full, all_waiting, timeout."""
     restarts: int = 0
     retries: list[Retry] = field(default_factory=list)
+    inference: str = ""
+    """Who predicted: ``server`` or ``worker`` (``--rollout.inference=auto`` resolved)."""
 
     @property
     def mean_batch_size(self) -> float:
         return self.observations / self.inference_calls if self.inference_calls else 0.0
+
+
+def uses_servers(cfg: RolloutConfig, device: str) -> bool:
+    """Whether inference servers predict (``--rollout.inference``, ``auto`` resolved for the device the policy runs
+    on: servers for a GPU, the workers themselves on the CPU)."""
+    if cfg.inference == "auto":
+        return not device.startswith("cpu")
+    return cfg.inference == "server"
 
 
 def task_turns(jobs: list[EpisodeJob]) -> list[EpisodeJob]:
@@ -127,7 +139,12 @@ def task_turns(jobs: list[EpisodeJob]) -> list[EpisodeJob]:
 
 
 class _Restart(Exception):
-    """The pool must be restarted (a worker died or hung)."""
+    """The pool must be restarted (a worker or server died or hung)."""
+
+    def __init__(self, message: str, server: bool = False):
+        super().__init__(message)
+        self.server = server
+        """A server was lost: no episode is to blame (each starts again, no attempt charged)."""
 
 
 class RolloutEngine:
@@ -249,6 +266,7 @@ class RolloutEngine:
         attempts: dict[tuple[str, int], int] = {job.key: 0 for job in jobs}
         pending: deque[EpisodeJob] = deque(task_turns(jobs))
         start = time.perf_counter()
+        lost_servers = 0
         while pending:
             try:
                 if self._pool is None:
@@ -259,11 +277,16 @@ class RolloutEngine:
                 self._discard_pool()
                 stats.restarts += 1
                 log.warning("restarting the rollout workers: %s", restart)
+                lost_servers += restart.server
+                if lost_servers > self.cfg.max_retries:
+                    raise WorkerError(f"the inference servers keep failing ({restart}); gave up after {lost_servers} "
+                                      "restarts") from None
                 if stats.restarts > self.cfg.max_retries * max(1, len(jobs)) + self.cfg.max_retries:
                     raise WorkerError(f"rollout workers keep failing ({restart}); gave up after "
                                       f"{stats.restarts} restarts") from None
         if self._pool is not None:
             self._pool.report(stats)
+            stats.inference = "server" if self._pool.servers else "worker"
         stats.wall_s = time.perf_counter() - start
         return [results[job.key] for job in jobs], stats
 
@@ -280,12 +303,12 @@ class _Pool:
         self.replies = [launcher.channel() for _ in range(cfg.workers)]
         self.inboxes = [launcher.channel() for _ in range(cfg.workers)]
         device = launcher.device(cfg.device)
-        serving = cfg.inference == "server"
+        serving = uses_servers(cfg, device)
         gpus = 1.0 if device.startswith("cuda") else 0.0  # what each process that predicts reserves (Ray)
         # a server shares the cores with the env workers (which render on the CPU): more threads than its share
         # only make them wait for each other
         threads = inference_threads(cfg.inference_threads, cfg.servers + cfg.workers if serving else cfg.workers)
-        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler, cfg.noise_level)
+        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler, cfg.noise_level, cfg.sde_steps)
         self.servers: dict[str, Handle] = {}
         self.controls: dict[str, Channel] = {}
         """Each process's own channel from the engine: a server's control channel, a worker's inbox."""
@@ -305,7 +328,8 @@ class _Pool:
                 name, i, generation, setup.env, setup.env_options, cfg.envs_per_worker, cfg.sub_batches,
                 setup.n_action_steps, setup.video_camera, setup.video_dir, spare_envs=cfg.spare_envs,
                 announce_groups=serving and cfg.servers == 1,
-                render_every_step=cfg.render == "every_step", local=None if serving else runner)
+                render_every_step=cfg.render == "every_step", local=None if serving else runner,
+                max_batch_size=cfg.max_batch_size)
             self.workers[name] = launcher.start(
                 run_env_worker, (settings, self.inboxes[i], self.requests, self.replies[i], self.events),
                 name=f"rollout-{name}", cpus=cfg.worker_cpus, gpus=0.0 if serving else gpus / cfg.workers)
@@ -403,34 +427,32 @@ class _Pool:
             return now - self.last_seen[name] > self.cfg.watchdog_s
         return now - self.started_at > max(STARTUP_S, self.cfg.watchdog_s)
 
-    def _lost_worker(self) -> tuple[str, str] | None:
-        """(name, why) of a worker that died or hung; a server that did is an error (raised)."""
+    def _lost(self) -> tuple[str, str] | None:
+        """(name, why) of a process that died or hung (one that said why it cannot work: its error, raised)."""
         now = time.monotonic()
-        for name, handle in self.servers.items():
-            if not handle.alive():
-                self._drain_errors()
-                raise WorkerError(f"the inference server {name} died ({handle.exit_reason()})")
-            if self._silent(name, now):
-                raise WorkerError(f"the inference server {name} did not answer for {self.cfg.watchdog_s:.0f} s")
-        for name, handle in self.workers.items():
-            if not handle.alive():
-                self._drain_errors()
-                return name, f"the env worker died ({handle.exit_reason()})"
-            if self._silent(name, now):
-                return name, f"the env worker was silent for {self.cfg.watchdog_s:.0f} s (a simulator hang)"
+        for kind, handles in (("inference server", self.servers), ("env worker", self.workers)):
+            for name, handle in handles.items():
+                if not handle.alive():
+                    self._drain_errors()
+                    return name, f"the {kind} died ({handle.exit_reason()})"
+                if self._silent(name, now):
+                    hang = " (a simulator hang)" if name in self.workers else ""
+                    return name, f"the {kind} was silent for {self.cfg.watchdog_s:.0f} s{hang}"
         return None
 
     def _check_liveness(self, pending: deque, attempts: dict, results: dict,
                         on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats) -> None:
-        lost = self._lost_worker()
+        """A lost env worker costs the episodes it had started an attempt (its simulator may be to blame); a lost
+        server, none (every episode starts again on the new pool's server, with the published weights)."""
+        lost = self._lost()
         if lost is None:
             return
         name, reason = lost
-        for key in sorted(self.started[name]):
+        for key in sorted(self.started.get(name, ())):
             job = self.assigned[name].pop(key)
             self._failed_attempt(job, reason, pending, attempts, results, on_result, stats)
         self._requeue_all(pending)
-        raise _Restart(f"{name}: {reason}")
+        raise _Restart(f"{name}: {reason}", server=name in self.servers)
 
     def _drain_errors(self) -> None:
         """A process that died after reporting why: raise what it reported (a bad checkpoint, not a crash)."""
@@ -456,9 +478,9 @@ class _Pool:
             match self._next_event(timeout=1.0):
                 case messages.WeightsLoaded(name, version) if version == weights.version:
                     waiting.discard(name)
-            lost = self._lost_worker()
+            lost = self._lost()
             if lost is not None:
-                raise _Restart(f"{lost[0]}: {lost[1]}")
+                raise _Restart(f"{lost[0]}: {lost[1]}", server=lost[0] in self.servers)
 
     def report(self, stats: RolloutStats, timeout_s: float = 30.0) -> None:
         """Add what each process did since its last report to ``stats`` (one that does not answer: lost)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from roboscale.configs.rollout import SAMPLERS
 from roboscale.errors import CheckpointError
-from roboscale.rollout.noise import chunk_noise, step_noise
+from roboscale.rollout.noise import chunk_noise, step_noise, stochastic_steps
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,12 @@ class Prediction:
     normalized chunk."""
     version: int
     """The version of the weights that predicted it."""
+    stochastic: np.ndarray | None = None
+    """[K] bool: the denoising steps that drew noise (``sde``; None for ``ode``)."""
+    log_density: np.ndarray | None = None
+    """[T, A] float32: each entry's log-density under the weights that sampled it, over its stochastic steps
+    (``sde``; ``FlowMatching.sampled_log_density``): the chunk's log-probability once the executed entries are
+    known."""
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """Where an array is expected, a prediction is its chunk (callers that only compare actions)."""
@@ -64,9 +70,11 @@ class RunnerSettings:
     threads: int = 1
     sampler: str = "ode"
     noise_level: float = 0.5
+    sde_steps: int = 0
 
     def build(self) -> PolicyRunner:
-        return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.noise_level)
+        return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.noise_level,
+                            self.sde_steps)
 
 
 def resolve_device(device: str) -> str:
@@ -85,14 +93,14 @@ class PolicyRunner:
     """A policy loaded for inference (eval mode, fp32 on CPU) and the batching of observations into its input."""
 
     def __init__(self, checkpoint: str, device: str = "auto", threads: int = 1, sampler: str = "ode",
-                 noise_level: float = 0.5):
+                 noise_level: float = 0.5, sde_steps: int = 0):
         import torch
 
         from roboscale.models.policy import Policy
 
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
-        self.sampler, self.noise_level = sampler, noise_level
+        self.sampler, self.noise_level, self.sde_steps = sampler, noise_level, sde_steps
         self.version = 0
         torch.set_num_threads(threads)
         self.device = torch.device(resolve_device(device))
@@ -138,6 +146,8 @@ class PolicyRunner:
         chain), by the current weights."""
         import torch
 
+        from roboscale.models.flow_matching import sampled_log_density
+
         noise = torch.from_numpy(np.stack([chunk_noise(it.noise_seed, it.chunk_index, self.noise_shape)
                                            for it in items]))
         observation = self.batch(items)
@@ -146,6 +156,11 @@ class PolicyRunner:
             return [Prediction(chunk, None, self.version) for chunk in chunks]
         draws = torch.from_numpy(np.stack([step_noise(it.noise_seed, it.chunk_index, self.steps, self.noise_shape)
                                            for it in items]))
-        actions, chains = self.policy.sample_action_chain(observation, noise, draws, self.noise_level)
-        return [Prediction(chunk, chain, self.version)
-                for chunk, chain in zip(actions.float().cpu().numpy(), chains.float().cpu().numpy(), strict=True)]
+        stochastic = np.stack([stochastic_steps(it.noise_seed, it.chunk_index, self.steps, self.sde_steps)
+                               for it in items])
+        stochastic = torch.from_numpy(stochastic)
+        actions, chains = self.policy.sample_action_chain(observation, noise, draws, self.noise_level, stochastic)
+        densities = sampled_log_density(draws, stochastic, self.steps, self.noise_level).numpy()
+        return [Prediction(chunk, chain, self.version, steps.numpy(), density)
+                for chunk, chain, steps, density in zip(actions.float().cpu().numpy(), chains.float().cpu().numpy(),
+                                                        stochastic, densities, strict=True)]

@@ -10,6 +10,7 @@ is never written to ``episodes.jsonl``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,11 @@ class ChunkRecord:
     instruction: str
     chain: np.ndarray | None
     """[K + 1, T, A] float32, normalized: the stochastic sampler's denoising chain (None for ``ode``)."""
+    stochastic: np.ndarray | None
+    """[K] bool: the steps of the chain that drew noise (the hybrid sampler's; None for ``ode``)."""
+    log_density: np.ndarray | None
+    """[T, A] float32: each entry's log-density under the acting weights (None for ``ode``); the chunk's
+    log-probability is its sum over the executed entries."""
     chunk: np.ndarray
     """[T, A_data]: the predicted actions in the dataset's units."""
     executed: int
@@ -54,11 +60,12 @@ class TrajectoryRecorder:
     chunks: list[ChunkRecord] = field(default_factory=list)
     _rewards: list[float] = field(default_factory=list)
 
-    def chunk(self, state: np.ndarray, images: dict[str, np.ndarray], instruction: str, chain: np.ndarray | None,
-              chunk: np.ndarray, version: int) -> None:
+    def chunk(self, state: np.ndarray, images: dict[str, np.ndarray], instruction: str, prediction: Any) -> None:
+        """``prediction``: the ``rollout.inference.Prediction`` of this observation."""
         self._close_chunk()
-        self.chunks.append(ChunkRecord(state, images, instruction, chain, chunk, 0, np.zeros(0, np.float32),
-                                       version))
+        self.chunks.append(ChunkRecord(state, images, instruction, prediction.chain, prediction.stochastic,
+                                       prediction.log_density, prediction.chunk, 0, np.zeros(0, np.float32),
+                                       prediction.version))
 
     def step(self, reward: float) -> None:
         self._rewards.append(reward)

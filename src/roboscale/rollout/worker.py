@@ -63,7 +63,9 @@ class WorkerSettings:
     render_every_step: bool = False
     """Render cameras after every step, not only before the policy looks (a baseline)."""
     local: RunnerSettings | None = None
-    """Predict inside this worker with this policy (no server): the baseline design."""
+    """Predict inside this worker with this policy (no server)."""
+    max_batch_size: int = 0
+    """Predicting itself: observations per policy call at most (0: all of a request)."""
     heartbeat_s: float = 1.0
 
 
@@ -341,9 +343,10 @@ class _EnvWorker:
             slot.asked = item
         if self.local is not None:
             start = time.perf_counter()
-            predictions = self.local.predict(items)
+            size = self.s.max_batch_size or len(items)
+            predictions = [p for i in range(0, len(items), size) for p in self.local.predict(items[i:i + size])]
             self.stats["inference_s"] += time.perf_counter() - start
-            self.stats["inference_calls"] += 1
+            self.stats["inference_calls"] += -(-len(items) // size)
             self.stats["observations"] += len(items)
             for slot, prediction in zip(slots, predictions, strict=True):
                 self._fill(slot, prediction)
@@ -355,8 +358,7 @@ class _EnvWorker:
         slot.queue.fill(prediction.chunk)
         if slot.recorder is not None:
             item = slot.asked
-            slot.recorder.chunk(item.state, item.images, item.instruction, prediction.chain, prediction.chunk,
-                                prediction.version)
+            slot.recorder.chunk(item.state, item.images, item.instruction, prediction)
 
     def _read_replies(self, block: bool) -> None:
         if self.local is not None:

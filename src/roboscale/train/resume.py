@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from roboscale.config import to_dict
+from roboscale.config import flat_options, to_dict
 from roboscale.configs.train import TrainConfig
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.utils.imports import is_code_name
@@ -32,22 +32,13 @@ RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threa
                      "max_nonfinite_steps", "wandb")
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
-    return out
-
-
 def resume_conflicts(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
     """``--option=value (checkpoint: value)`` for every option of ``cfg`` that a resume may not change. Policy
     fields left to be filled from the dataset (0 / empty) take the checkpoint's value; another policy type is one
     conflict, not one per option."""
     from roboscale.models.registry import FILLED_AT_BUILD
 
-    old, new = _flatten(to_dict(saved)), _flatten(to_dict(cfg))
+    old, new = flat_options(to_dict(saved)), flat_options(to_dict(cfg))
     for name in FILLED_AT_BUILD:
         key = f"policy.{name}"
         if not new.get(key) and key in old:
@@ -106,8 +97,8 @@ def refuse_saved_code(merged: TrainConfig, given: TrainConfig, checkpoint: Path)
     file names (under ``python -m``, even a module of the working directory)."""
     from roboscale.train.checkpoint import PRETRAINED, TRAIN_CONFIG
 
-    stated = _flatten(to_dict(given))
-    for key, value in _flatten(to_dict(merged)).items():
+    stated = flat_options(to_dict(given))
+    for key, value in flat_options(to_dict(merged)).items():
         values = value if isinstance(value, list) else [value]
         if any(is_code_name(v) for v in values) and not _same(stated.get(key), value):
             shown = ",".join(map(str, values))

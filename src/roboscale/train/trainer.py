@@ -115,7 +115,8 @@ class Trainer:
         check_parallel_options(cfg, self.plan)
         check_eval_options(cfg)
         if self.restartable and not cfg.resume and (self.output_dir / "checkpoints" / "last").exists():
-            log.info("restarted: resuming from the last checkpoint in %s", self.output_dir)
+            # a warning: a rank or worker failed and the launcher retried; the user should see it happened
+            log.warning("restarted: resuming from the last checkpoint in %s", self.output_dir)
             cfg.resume = True
         self.resume_from = resume_checkpoint(self.output_dir) if cfg.resume else None
         if self.resume_from is None and (self.output_dir / "checkpoints").exists():

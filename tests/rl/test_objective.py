@@ -39,7 +39,7 @@ def _episode(policy, episode: int, chunks: int, success: bool, seed: int) -> _Re
                                               .copy()) for k in CAMERAS}}
         noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=g)
         steps = torch.randn(1, cfg.num_inference_steps, cfg.chunk_size, cfg.action_dim, generator=g)
-        actions, chain = policy.sample_action_chain(observation, noise, steps, noise_level=NOISE)
+        actions, chain, _ = policy.sample_action_chain(observation, noise, steps, noise_level=NOISE)
         executed = cfg.n_action_steps if c < chunks - 1 else 1
         density = sampled_log_density(steps, None, cfg.num_inference_steps, NOISE)[0].numpy()
         records.append(ChunkRecord(state, images, "Open a drawer", chain[0].numpy(),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_policy_args
-from tests.faults.entry_points import TINY_PI05, run_cli
+from tests.faults.entry_points import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,6 @@ ROOT = Path(__file__).parents[2]
 # small and exact: one observation per policy call and one thread, so that batching changes nothing at all
 RL = ["--tasks=[reach]", "--rl.group_size=2", "--rl.max_steps=12", "--rollout.envs_per_worker=2",
       "--rollout.max_batch_size=1", "--rollout.inference_threads=1", "--log_freq=1", "--optimizer.lr=1e-3"]
-
-
-@pytest.fixture(scope="module")
-def sft(tiny_dataset: Path, tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("sft") / "run"
-    assert run_cli("train", f"--dataset.root={tiny_dataset}", f"--output_dir={run}", "--steps=2", "--batch_size=4",
-                   *TINY_PI05).kind == "ok"
-    return run
 
 
 def _env() -> dict[str, str]:

@@ -4,6 +4,8 @@ the published weights, not the checkpoint's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,39 @@ def test_run_is_not_reentrant_and_update_weights_waits_for_the_run(checkpoint):
 
     results, _ = engine.run(jobs_for(["reach"], 1), on_result)
     assert len(results) == 1 and len(refused) == 1 and engine.version == 0
+
+
+@pytest.mark.parametrize("inference", ["server", "worker"])
+def test_a_fed_run_takes_jobs_and_weights_as_they_come(checkpoint, launcher, inference):
+    """RL's asynchronous driver: one run fed a second batch of jobs and new weights while the first batch runs.
+    The new weights reach every process before any later job is dealt: those jobs act with them from their first
+    chunk, and are what a run that starts with those weights gives; the results go to on_result only."""
+    from roboscale.rollout.engine import Feed
+
+    state = perturbed_state()
+    first = jobs_for(["reach"], 2, record_trajectory=True)
+    later = [dataclasses.replace(job, episode=job.episode + 10) for job in first]
+    cfg = RolloutConfig(workers=2, envs_per_worker=1, inference=inference, **EXACT)
+    arrived, sent, batches = [], [], [later]
+
+    def weights():
+        if arrived and not sent:  # once an episode of the first batch has ended
+            sent.append(5)
+            return state, 5
+        return None
+
+    def jobs():  # asked right after weights(): the later batch with the weights just sent
+        if not sent:
+            return []
+        return batches.pop() if batches else None
+
+    with RolloutEngine(cfg, setup_for(checkpoint, max_steps=9)) as engine:
+        results, stats = engine.run(first, on_result=arrived.append, feed=Feed(jobs, weights))
+    assert results == [] and len(arrived) == 4
+    by_episode = {r.episode: r for r in arrived}
+    assert all(versions([by_episode[j.episode]]) == {5} for j in later)  # acted with the new weights throughout
+    reference = RolloutEngine(cfg, setup_for(checkpoint, max_steps=9))
+    reference.update_weights(state, version=5)
+    clean, _ = reference.run(later)
+    assert same_trajectories([by_episode[j.episode] for j in later], clean)
+    assert stats.env_steps == sum(r.steps for r in arrived)

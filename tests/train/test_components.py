@@ -136,6 +136,13 @@ def test_metrics_are_summed_or_weighted_by_name_on_one_process() -> None:
                                      "ratio": (0.5 + 0.3) / 4})
 
 
+def test_maxed_metrics_take_their_largest_value() -> None:
+    step = StepMetrics(frozenset({"loss_weight"}), torch.device("cpu"), maxed=frozenset({"staleness_max"}))
+    step.add(_metrics(loss=1.0, loss_weight=1.0, staleness_max=2.0), torch.tensor(1.0))
+    step.add(_metrics(loss=1.0, loss_weight=3.0, staleness_max=1.0), torch.tensor(3.0))
+    assert float(step.reduce(distributed=False)["staleness_max"]) == 2.0  # not the weighted mean, 1.25
+
+
 def test_an_objective_whose_metrics_change_names_or_lack_the_weight_is_a_clear_error() -> None:
     from roboscale.train.reduction import loss_weight
 

@@ -10,12 +10,27 @@ from roboscale.errors import ConfigError
 
 ALGORITHMS = ("grpo", "ppo")
 REWARDS = ("success", "shaped")
+MODES = ("sync", "async")
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 @dataclass
 class RLOptions:
     """The algorithm and what one global step rolls out."""
 
+    mode: str = "sync"
+    """sync: roll out the whole rollout, then train on it (the baseline). async: the three levels decoupled (RL-VLA3):
+    simulators and generators run the next rollouts while the trainer trains, up to --rl.max_staleness rollouts
+    ahead, and the trainer computes the gradients of each episode group as it finishes (an optimizer step still
+    sees exactly the whole rollout)."""
+    max_staleness: int = 1
+    """async: how many rollouts' updates the acting weights may lag behind the ones trained (0: the weights a
+    sync run acts with, the same losses step by step, the gain only from overlapping the gradients with the
+    simulators). PPO's clipped importance ratio corrects for the lag."""
+    placement: str = "colocated"
+    """colocated: generators (the inference) on the trainer's devices (GPU: the same one; CPU: all cores shared).
+    disaggregated: on their own: GPU, device local_rank + ranks per node (twice the GPUs); CPU, the rollout
+    processes on one half of the cores, the trainer on the other."""
     algorithm: str = "grpo"
     """grpo: group-relative advantages over the episodes of one initial state (no critic); ppo: GAE with a value
     head on the policy's features."""
@@ -59,6 +74,12 @@ class RLOptions:
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"--rl.algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"--rl.mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--rl.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"--rl.max_staleness must be >= 0, got {self.max_staleness}")
         if self.reward not in REWARDS:
             raise ConfigError(f"--rl.reward must be one of {list(REWARDS)}, got {self.reward!r}")
         if self.sde_steps < 0:

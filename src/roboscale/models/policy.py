@@ -184,17 +184,20 @@ class Policy(nn.Module):
     @torch.no_grad()
     def sample_action_chain(self, observation: Any, noise: torch.Tensor, step_noise: torch.Tensor,
                             noise_level: float, stochastic: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``predict_action_chunk`` with the stochastic sampler (Flow-SDE, ``FlowMatching.sample_chain``): the
-        actions in the dataset's units and the whole denoising chain [B, K + 1, T, action_dim] (normalized), from
-        which the chunk's log-probability is recomputed in training. ``step_noise`` [B, K, T, action_dim];
-        ``stochastic`` [B, K] bool: the steps that draw noise (None: all)."""
+        actions in the dataset's units, the whole denoising chain [B, K + 1, T, action_dim] (normalized), from
+        which the chunk's log-probability is recomputed in training, and the value head's estimate [B] of each
+        observation (None without a value head: PPO's GAE takes the values of the weights that acted, as RLinf's
+        rollouts record them). ``step_noise`` [B, K, T, action_dim]; ``stochastic`` [B, K] bool: the steps that
+        draw noise (None: all)."""
         encoded = self.encode(observation, cache=True)
         device = next(self.parameters()).device
         chain = self.flow_matching.sample_chain(lambda x, t: self.velocity(encoded, x, t), noise.to(device),
                                                 step_noise.to(device), self.config.num_inference_steps, noise_level,
                                                 None if stochastic is None else stochastic.to(device))
-        return self.action_normalizer.unnormalize(chain[:, -1]), chain
+        values = self.value(encoded) if self.value_head is not None else None
+        return self.action_normalizer.unnormalize(chain[:, -1]), chain, values
 
     # --- persistence ----------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:

@@ -6,8 +6,10 @@ telemetry, evaluation during training) is the Trainer's, as for supervised train
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,44 +20,41 @@ from roboscale.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+ROLLOUT_LOG = "rollouts.jsonl"
+"""One line per rollout trained on (rank 0's share): its weights version and staleness, episodes, successes, env
+steps, when it ran, and how long the driver held it back and the trainer waited for it."""
+
 STATE = "rl"
 """The job's entry of a checkpoint's training state (training_state/rl_state.json): its config and step."""
 
 
 class WeightPublisher:
-    """Step hook: after an optimizer step that a rollout follows, the rollout engine's servers take the new
-    weights with their version (the number of the step that made them). ``ensure_current`` publishes before a
-    rollout when the servers hold older weights (a resumed run, a skipped step)."""
+    """Step hook: after an optimizer step that a rollout follows, the rollout driver takes the new weights with
+    their version (the number of the step that made them), for the rollouts it starts from then on. ``publish``
+    alone: the weights a run starts (or resumes) with."""
 
-    def __init__(self, engine: Any, version: int = 0, due: Callable[[], bool] = lambda: True):
-        self.engine = engine
-        self.version = version
-        """The version the servers hold: 0 is the supervised checkpoint they start from."""
+    def __init__(self, source: Any, due: Callable[[], bool]):
+        self.source = source
         self.due = due  # whether a rollout comes next (not another epoch on the last one)
 
     def __call__(self, trainer: Any) -> None:
         if self.due():
-            self.publish(trainer, trainer.step)  # hooks run once the trainer has counted the step it applied
+            self.publish(trainer)  # hooks run once the trainer has counted the step it applied
 
-    def ensure_current(self, trainer: Any) -> None:
-        if self.version != trainer.step:
-            self.publish(trainer, trainer.step)
-
-    def publish(self, trainer: Any, version: int) -> None:
+    def publish(self, trainer: Any) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        # every rank gathers the full weights (a collective) for its own engine's servers
-        from roboscale.models.value import acting_weights
-
+        # every rank gathers the full weights (a collective) for its own engine; copies, since training goes on
+        # while the driver hands them to the servers (the critic too, if any: PPO's values come from the acting
+        # weights)
         full = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True))
-        self.engine.update_weights({k: v.detach().cpu() for k, v in acting_weights(full).items()}, version)
-        self.version = version
+        self.source.publish({k: v.detach().to("cpu", copy=True) for k, v in full.items()}, trainer.step)
 
 
 @dataclass
 class RLState:
-    """The job's checkpointed entry: its config (what a resume continues with) and nothing in flight (a
-    synchronous step leaves no trajectory behind)."""
+    """The job's checkpointed entry: its config (what a resume continues with). Trajectories in flight are not
+    kept: a resume rolls their rollouts out again (``RolloutSource`` counts them)."""
 
     config: RLConfig
     extra: dict[str, Any] = field(default_factory=dict)
@@ -97,15 +96,82 @@ class RLJob:
             raise ConfigError(f"--rl.states_per_task={cfg.rl.states_per_task} x {len(self.tasks)} tasks = {groups} "
                               f"episode groups per step, not divisible by the {trainer.plan.dp_size} data-parallel "
                               "ranks (each rank rolls out whole groups)")
-        engine = RolloutEngine(cfg.rollout, rl_env_setup(cfg, self.checkpoint, self.tasks, trainer.policy.config))
-        engine.start()  # one pool for the whole run: its servers take each step's weights
-        source = RolloutSource(cfg.rl, self.tasks, engine, trainer.policy.config, rank=trainer.env.rank,
-                               world_size=trainer.plan.dp_size,
-                               before_rollout=lambda: publisher.ensure_current(trainer),
-                               value_fn=lambda batches: critic_values(trainer, batches))
-        publisher = WeightPublisher(engine, due=lambda: source.rolls_out_next)
+        rollout, cores = placed(cfg, trainer.env)
+        engine = RolloutEngine(rollout, rl_env_setup(cfg, self.checkpoint, self.tasks, trainer.policy.config))
+        with pinned(cores.rollout if cores else None):  # spawned processes inherit the thread's cores
+            engine.start()  # one pool for the whole run: its servers take each rollout's weights
+        if cores:
+            os.sched_setaffinity(0, cores.trainer)
+            torch_threads(len(cores.trainer))
+        source = RolloutSource(cfg.rl, self.tasks, engine, trainer.policy.config, rollouts=cfg.steps // cfg.rl.epochs,
+                               rank=trainer.env.rank, world_size=trainer.plan.dp_size,
+                               before_first=lambda: publisher.publish(trainer),
+                               driver_cores=cores.rollout if cores else None,
+                               log_path=trainer.output_dir / ROLLOUT_LOG if trainer.env.is_main else None)
+        publisher = WeightPublisher(source, due=lambda: source.rolls_out_next)
         return TrainingComponents(data=source, objective=PolicyGradientLoss(cfg.rl), hooks=[publisher],
                                   state={STATE: RLState(cfg)}, counts_flops=False)
+
+
+@dataclass(frozen=True)
+class Cores:
+    trainer: set[int]
+    rollout: set[int]
+
+
+def placed(cfg: RLConfig, env: Any) -> tuple[Any, Cores | None]:
+    """The rollout processes' options for --rl.placement on this rank's devices (see RLOptions.placement), and on
+    the CPU, disaggregated, the cores of the trainer and of the rollout processes."""
+    import dataclasses
+
+    rollout = cfg.rollout
+    if env.device.type == "cuda":
+        if rollout.device != "auto":  # the user placed them
+            return rollout, None
+        import torch
+
+        index = env.device.index or 0
+        if cfg.rl.placement == "disaggregated":
+            per_node = env.local_world_size
+            index += per_node
+            if index >= torch.cuda.device_count():
+                raise ConfigError(f"--rl.placement=disaggregated: the generators of {per_node} ranks need "
+                                  f"{2 * per_node} GPUs per node, this one has {torch.cuda.device_count()}")
+        return dataclasses.replace(rollout, device=f"cuda:{index}"), None
+    if cfg.rl.placement == "disaggregated":
+        return rollout, split_cores()
+    return rollout, None
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int] | None) -> Iterator[None]:
+    """This thread on ``cores`` inside the block (None: as it is)."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def split_cores() -> Cores:
+    """This process's cores, halved: the trainer's and the rollout processes'. (The trainer's torch threads that
+    exist already keep their cores; their number is cut to its half.)"""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ConfigError("--rl.placement=disaggregated needs at least 2 cores (this process may use "
+                          f"{len(cores)})")
+    half = len(cores) // 2
+    return Cores(set(cores[:half]), set(cores[half:]))
+
+
+def torch_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
 
 
 def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_config: Any) -> Any:
@@ -115,27 +181,3 @@ def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_confi
     from roboscale.sim.env import env_spec
 
     return policy_env_setup(env_spec(cfg.env), tasks, policy_config, checkpoint, cfg.rl.max_steps)
-
-
-def critic_values(trainer: Any, batches: list[dict[str, Any]]) -> list[Any]:
-    """The critic's values of each batch's chunks, through the trainer's module (the sharded weights gather as in a
-    training step). Every rank runs the same number of forward passes (FSDP gathers in each): one with fewer
-    batches repeats its last."""
-    import torch
-
-    from roboscale.rl.objective import VALUES_OF
-
-    count = len(batches)
-    if trainer.env.distributed:
-        import torch.distributed as dist
-
-        counts = torch.tensor([count], dtype=torch.float64)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        count = int(counts.item())
-    values = []
-    with torch.no_grad():
-        for i in range(count):
-            value, _ = trainer.module({VALUES_OF: batches[min(i, len(batches) - 1)]["observation"]})
-            if i < len(batches):
-                values.append(value.float().cpu())
-    return values

@@ -17,7 +17,8 @@ same with group-relative advantages):
 1 / (the chunks of their episode), so each episode weighs the same and the metrics that are episode properties
 (success, return, length), averaged with these weights, are means over episodes. In a synchronous step the
 chunks were sampled by the weights being trained (p_old = p up to float rounding, r = 1: the policy gradient
-A grad log p); the clipping matters once rollouts run ahead of the trainer (RL part 2).
+A grad log p); the clipping matters from a rollout's second epoch on, and once rollouts run ahead of the trainer
+(``--rl.mode=async``: the chunks' ``staleness``, logged as its mean and ``staleness_max``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ import torch
 from roboscale.configs.rl import RLOptions
 
 SUMMED = frozenset({"episodes", "chunks"})
-VALUES_OF = "values_of"
-"""A batch ``{VALUES_OF: observations}`` asks the objective for the critic's values instead of a loss."""
+MAXED = frozenset({"staleness_max"})
 
 
 def _detached(mean: Any, values: torch.Tensor) -> torch.Tensor:
@@ -57,12 +57,10 @@ class PolicyGradientLoss:
 
     options: RLOptions
     summed: frozenset[str] = SUMMED
+    maxed: frozenset[str] = MAXED
 
     def __call__(self, policy: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device = next(policy.parameters()).device
-        if VALUES_OF in batch:  # PPO, before the step: the critic's values of the rolled-out chunks (no grad)
-            with acting_mode(policy):
-                return policy.value(policy.encode(batch[VALUES_OF], cache=True)), {}
         chain, mask = batch["chain"].to(device), batch["mask"].to(device)
         advantage, weight = batch["advantage"].to(device), batch["weight"].to(device)
         with acting_mode(policy):
@@ -98,4 +96,7 @@ class PolicyGradientLoss:
                       "log_prob": _detached(mean, log_prob / mask.flatten(1).sum(1).clamp_min(1)),
                       "advantage_abs": _detached(mean, advantage.abs()), "success": _detached(mean, batch["success"].to(device)),
                       "return": _detached(mean, batch["return"].to(device)), "episode_steps": _detached(mean, batch["steps"].to(device)),
-                      "episodes": total.detach(), "chunks": torch.tensor(float(len(weight)), device=device)}
+                      "episodes": total.detach(), "chunks": torch.tensor(float(len(weight)), device=device),
+                      # rollouts of updates the acting weights lagged behind (async; 0 in sync)
+                      "staleness": _detached(mean, batch["staleness"].to(device)),
+                      "staleness_max": batch["staleness"].max().to(device)}

@@ -1,10 +1,19 @@
-"""The Trainer's data source in RL: each global step's batch is rolled out with the weights being trained.
+"""The Trainer's data source in RL: the rollouts, run by a driver thread on this rank's rollout engine.
 
-Synchronous (RL part 1): ``next()`` runs the step's episodes on the rollout engine (env workers, inference servers
-with the stochastic sampler, the current weights and their version), turns their trajectories into chunks with
-advantages, and returns them as micro-batches; the optimizer step follows, then the new weights are published
-(``WeightPublisher``, a step hook) before the next rollout. Nothing is in flight between steps, so a checkpoint
-needs only the step (``state_dict``): a resumed run rolls out the same episodes again.
+Three levels (RL-VLA3's): the simulators (env workers, stepping their environments' sub-batches), the generators
+(inference with dynamic batching: servers, or the workers themselves on the CPU) and the trainer. The driver runs
+rollout after rollout on the engine; each group of episodes (one initial state's) is turned into micro-batches
+with advantages as soon as its last episode ends, and handed to the trainer. Weights move at rollout boundaries
+only: the trainer publishes them after a rollout's last optimizer step (``WeightPublisher``), and the driver hands
+the latest to the engine before it starts a rollout, whose chunks record the version that acted.
+
+- ``--rl.mode=sync``: the driver starts a rollout when the trainer asks for it, and the trainer takes it whole,
+  in group order: roll out everything, then train (the baseline).
+- ``--rl.mode=async``: the driver starts rollout r as soon as the published weights have trained on r -
+  ``max_staleness`` rollouts (so simulators and generators keep working while the trainer trains), and the trainer
+  computes each group's gradients as it arrives (``Trainer.accumulate_stream``); its optimizer step still waits
+  for the whole rollout, the global batch. At staleness 0 the rollouts act with the weights a sync run's do: the
+  same losses step by step, the gain only from the overlap.
 
 With ``--rl.epochs=E`` each rollout serves E optimizer steps (the same chunks each time; their recorded
 log-probabilities are the acting weights', so the later epochs' ratios measure how far the updates went).
@@ -13,14 +22,21 @@ Which episodes a rollout runs depends on its number alone: for each task, ``stat
 (``episode_seed(rl.seed, task, rollout * states_per_task + s)``) and ``group_size`` episodes from each, whose
 noise comes from their own ``noise_seed``. Groups are dealt to ranks by index (group g to rank g mod ranks) and each
 rank rolls out its own on its own engine, so a step's global batch, its advantages (a group never straddles
-ranks) and its losses do not depend on the number of ranks or env workers.
+ranks) and its losses do not depend on the number of ranks or env workers. A checkpoint keeps the step; rollouts
+in flight are not kept (a resume rolls them out again, counted as ``dropped_episodes``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable, Mapping
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +44,7 @@ import torch
 
 from roboscale.configs.rl import RLOptions
 from roboscale.rl.advantages import gae, group_advantages
+from roboscale.rollout.engine import Cancelled
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +74,13 @@ def noise_seed(options: RLOptions, step: int, group: Group, member: int) -> int:
     return int(np.random.SeedSequence([options.seed, step, group.index, member]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def episode_jobs(options: RLOptions, groups: list[Group], step: int) -> list[Any]:
+def episode_jobs(options: RLOptions, groups: list[Group], step: int, first_episode: int = 0) -> list[Any]:
+    """The episodes of ``groups``: group g's member m is episode ``first_episode + g * group_size + m`` (a run's
+    rollouts number theirs apart: ``first_episode`` = rollout x its episodes)."""
     from roboscale.rollout.episode import EpisodeJob
 
-    return [EpisodeJob(group.task, group.index * options.group_size + member, group.seed, group.instruction,
-                       noise_seed=noise_seed(options, step, group, member), record_trajectory=True)
+    return [EpisodeJob(group.task, first_episode + group.index * options.group_size + member, group.seed,
+                       group.instruction, noise_seed=noise_seed(options, step, group, member), record_trajectory=True)
             for group in groups for member in range(options.group_size)]
 
 
@@ -82,18 +101,28 @@ def chunk_rewards(trajectory: Any, reward: str) -> np.ndarray:
     return np.array([float(np.sum(c.rewards)) for c in trajectory.chunks], np.float32)
 
 
-def chunk_batches(results: list[Any], advantages: np.ndarray, returns: np.ndarray, *, image_keys: list[str],
-                  state_key: str, action_dim: int, max_chunks: int) -> list[dict[str, Any]]:
+def chunk_batches(results: list[Any], advantages: Any, returns: np.ndarray, *, image_keys: list[str],
+                  state_key: str, action_dim: int, max_chunks: int, value_targets: list[np.ndarray] | None = None,
+                  version: int = 0, epochs: int = 1) -> list[dict[str, Any]]:
     """The chunks of ``results`` (episodes with trajectories) as training micro-batches of at most ``max_chunks``
-    chunks, in episode order (see rl.objective for the fields)."""
+    chunks, in episode order (see rl.objective for the fields). ``advantages[i]``: episode i's advantage (GRPO) or
+    one per chunk (PPO, with ``value_targets``). ``version``: the trainer's weights when the rollout's first
+    step trains on it; a chunk's staleness is how many rollouts' updates those are ahead of the ones that acted
+    (``epochs`` optimizer steps each)."""
     rows = []
-    for result, advantage, ret in zip(results, advantages, returns, strict=True):
+    for i, (result, ret) in enumerate(zip(results, returns, strict=True)):
         chunks = result.trajectory.chunks
-        for chunk in chunks:
-            rows.append((chunk, float(advantage), 1.0 / len(chunks), float(result.success), float(ret),
-                         float(result.steps)))
-    return [_collate(rows[i:i + max_chunks], image_keys, state_key, action_dim)
-            for i in range(0, len(rows), max_chunks)]
+        advantage = np.broadcast_to(np.asarray(advantages[i], np.float32), (len(chunks),))
+        target = np.zeros(len(chunks), np.float32) if value_targets is None else value_targets[i]
+        for c, chunk in enumerate(chunks):
+            rows.append((chunk, float(advantage[c]), 1.0 / len(chunks), float(result.success), float(ret),
+                         float(result.steps), float(target[c]), float((version - chunk.version) // epochs)))
+    batches = [_collate(rows[i:i + max_chunks], image_keys, state_key, action_dim)
+               for i in range(0, len(rows), max_chunks)]
+    if value_targets is None:
+        for batch in batches:
+            del batch["value_target"]
+    return batches
 
 
 def _collate(rows: list[tuple], image_keys: list[str], state_key: str, action_dim: int) -> dict[str, Any]:
@@ -113,90 +142,308 @@ def _collate(rows: list[tuple], image_keys: list[str], state_key: str, action_di
     # the acting weights' log-probability of each chunk, as sampled: the importance ratio's denominator
     old_log_prob = (torch.from_numpy(np.stack([c.log_density for c in chunks])) * mask).flatten(1).sum(1)
     columns = list(zip(*[row[1:] for row in rows], strict=True))
-    advantage, weight, success, ret, steps = (torch.tensor(col, dtype=torch.float32) for col in columns)
+    advantage, weight, success, ret, steps, target, staleness = (torch.tensor(col, dtype=torch.float32)
+                                                                  for col in columns)
     return {"observation": observation, "chain": chain, "stochastic": stochastic, "mask": mask,
             "old_log_prob": old_log_prob, "advantage": advantage, "weight": weight,
-            "success": success, "return": ret, "steps": steps, "action_dims": data_dims}
+            "success": success, "return": ret, "steps": steps, "value_target": target, "staleness": staleness,
+            "action_dims": data_dims}
+
+
+def group_micro_batches(options: RLOptions, results: list[Any], *, version: int, **collate: Any
+                        ) -> list[dict[str, Any]]:
+    """One group's episodes (all of them: their advantages compare them) as micro-batches with advantages: GRPO's
+    group-relative ones, or PPO's GAE from the values the acting weights recorded with each chunk."""
+    usable = [r for r in results if r.trajectory is not None and r.trajectory.chunks]
+    if not usable:
+        return []
+    returns = np.array([episode_return(r.trajectory, options.reward) for r in usable], dtype=np.float32)
+    if options.algorithm == "grpo":
+        advantages, targets = group_advantages(returns, np.zeros(len(usable), int)), None
+    else:
+        advantages, targets = [], []
+        for result in usable:
+            values = [c.value for c in result.trajectory.chunks]
+            if any(v is None for v in values):
+                raise RuntimeError("ppo: the rollout's chunks carry no critic values (the acting weights had no "
+                                   "value head)")
+            adv, target = gae(chunk_rewards(result.trajectory, options.reward), np.asarray(values, np.float32),
+                              options.gamma, options.gae_lambda)
+            advantages.append(adv)
+            targets.append(target)
+    return chunk_batches(usable, advantages, returns, value_targets=targets, version=version, epochs=options.epochs,
+                         **collate)
+
+
+@dataclass
+class _Running:
+    """A released rollout's groups while their episodes end (the driver thread's)."""
+
+    per_rollout: int
+    """Episodes of the rollout on all ranks (its episode numbers start at rollout x this)."""
+    groups: dict[int, list[Any]]
+    version: int
+    """The weights version handed to the engine when it was released (later chunks may act with newer ones)."""
+    started: float
+    held_s: float
+    episodes: int = 0
+    failed: int = 0
+    successes: int = 0
+    env_steps: int = 0
+    left: int = -1
+
+    def __post_init__(self) -> None:
+        self.left = len(self.groups)
+
+
+@dataclass
+class _Arrival:
+    rollout: int
+    batches: list[dict[str, Any]] | None = None
+    """One group's micro-batches (None: the rollout's end, with its counts)."""
+    group: int = -1
+    error: BaseException | None = None
+    record: dict[str, Any] | None = None
+    """At the rollout's end: what ``rollouts.jsonl`` says of it (see ``RolloutSource``)."""
 
 
 class RolloutSource:
-    """A ``DataSource`` of the Trainer (train.components): ``next()`` is one step's rolled-out chunks on this
-    rank. ``engine``: a started ``RolloutEngine`` whose sampler is the stochastic one."""
+    """A ``DataSource`` of the Trainer (train.components): ``next()`` is one step's rolled-out chunks on this rank.
+    ``engine``: a started ``RolloutEngine`` whose sampler is the stochastic one; ``rollouts``: how many the run
+    trains on (the driver starts none beyond). ``before_first`` runs on the trainer's thread before the first
+    rollout (the first weights are published); ``publish`` (``WeightPublisher``) hands the driver each rollout's
+    weights."""
 
-    def __init__(self, options: RLOptions, tasks: list[str], engine: Any, policy_config: Any, *, rank: int = 0,
-                 world_size: int = 1, max_chunks: int = 64, before_rollout: Callable[[], None] | None = None,
-                 value_fn: Callable[[list[dict[str, Any]]], list[torch.Tensor]] | None = None):
-        self.options, self.tasks, self.engine = options, tasks, engine
-        self.before_rollout = before_rollout  # the servers get the current weights (WeightPublisher)
-        self.value_fn = value_fn  # PPO: the critic's values of a step's chunk batches
-        self.image_keys = list(policy_config.image_keys)
-        self.state_key = policy_config.state_key
-        self.action_dim = policy_config.action_dim
-        self.rank, self.world_size, self.max_chunks = rank, world_size, max_chunks
+    def __init__(self, options: RLOptions, tasks: list[str], engine: Any, policy_config: Any, *, rollouts: int,
+                 rank: int = 0, world_size: int = 1, max_chunks: int = 64,
+                 before_first: Callable[[], None] | None = None, driver_cores: set[int] | None = None,
+                 log_path: Path | None = None):
+        self.options, self.tasks, self.engine, self.rollouts = options, tasks, engine, rollouts
+        self.driver_cores = driver_cores  # --rl.placement=disaggregated on the CPU: pools it restarts stay there
+        self.log_path = log_path
+        self._trainer_wait = 0.0
+        self.before_first = before_first
+        self.collate = {"image_keys": list(policy_config.image_keys), "state_key": policy_config.state_key,
+                        "action_dim": policy_config.action_dim, "max_chunks": max_chunks}
+        self.rank, self.world_size = rank, world_size
         self.step = 0
         """Batches handed out (the trainer's optimizer steps); rollout r serves steps r * epochs ... + epochs - 1."""
         self._batches: list[dict[str, Any]] | None = None
         self.episodes = 0
         self.failed_episodes = 0
+        self.dropped_episodes = 0
+        """Episodes of rollouts in flight when a run stopped, that its resume rolled out again."""
         self.env_steps = 0
         self.rollout_s = 0.0
+        self.driver_wait_s = 0.0
+        """Time the simulators had no rollout to run: none running, the next held back for its turn (sync) or for
+        fresh enough weights (async)."""
+        # shared with the driver thread, under _cond
+        self._cond = threading.Condition()
+        self._weights: tuple[dict[str, torch.Tensor], int] | None = None  # the latest published, and its version
+        self._requested = 0  # rollouts the trainer has asked for
+        self._started: dict[int, int] = {}  # rollout -> its episodes on this rank, while in flight
+        self._closed = False
+        self._arrivals: queue.Queue[_Arrival] = queue.Queue()
+        self._early: dict[int, list[_Arrival]] = {}  # the trainer's: groups of rollouts after the one it takes
+        self._running: dict[int, _Running] = {}  # the driver's
+        self._driver: threading.Thread | None = None
 
+    # --- the trainer's side ---------------------------------------------------------------------------------
     @property
     def rolls_out_next(self) -> bool:
-        """Whether the next ``next()`` rolls out (with the weights then published) rather than training again on
-        the last rollout (``--rl.epochs``)."""
+        """Whether the next ``next()`` starts a rollout's first epoch (the weights then published are the ones
+        it is trained against) rather than training again on the last rollout (``--rl.epochs``)."""
         return self.step % self.options.epochs == 0
 
-    def __next__(self) -> list[dict[str, Any]]:
+    def publish(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """New weights for the rollouts that start from now on (``version``: the trainer's step)."""
+        with self._cond:
+            self._weights = (state, version)
+            self._cond.notify_all()
+
+    def __next__(self) -> Any:
         if not self.rolls_out_next and self._batches is not None:  # another epoch on the same rollout
             self.step += 1
-            return self._batches
-        self._batches = self._roll_out(self.step // self.options.epochs)
+            return list(self._batches)
+        rollout = self.step // self.options.epochs
+        if self._driver is None:
+            if self.before_first is not None:
+                self.before_first()
+            self._driver = threading.Thread(target=self._drive, args=(rollout,), name="rollout-driver", daemon=True)
+            self._driver.start()
+        with self._cond:
+            self._requested = rollout + 1
+            self._cond.notify_all()
         self.step += 1
-        return self._batches
+        self._batches = []
+        if self.options.mode == "sync":  # the whole rollout, then the step: in group order
+            arrived = sorted(self._arrivals_of(rollout), key=lambda a: a.group)
+            self._batches = [b for a in arrived for b in a.batches]
+            return list(self._batches)
+        return self._stream(rollout)
 
-    def _roll_out(self, rollout: int) -> list[dict[str, Any]]:
-        """Rollout number ``rollout``'s chunks on this rank, with their advantages."""
-        groups = [g for g in step_groups(self.options, self.tasks, rollout) if g.index % self.world_size == self.rank]
-        jobs = episode_jobs(self.options, groups, rollout)
-        if self.before_rollout is not None:
-            self.before_rollout()
-        results, stats = self.engine.run(jobs)
-        self.rollout_s += stats.wall_s
-        self.env_steps += stats.env_steps
-        usable = [r for r in results if r.trajectory is not None and r.trajectory.chunks]
-        self.failed_episodes += len(results) - len(usable)  # a simulator that kept failing: counted, not used
-        self.episodes += len(usable)
-        returns = np.array([episode_return(r.trajectory, self.options.reward) for r in usable], dtype=np.float32)
-        if self.options.algorithm == "grpo":
-            members = np.array([r.episode // self.options.group_size for r in usable])
-            return chunk_batches(usable, group_advantages(returns, members), returns, image_keys=self.image_keys,
-                                 state_key=self.state_key, action_dim=self.action_dim, max_chunks=self.max_chunks)
-        batches = chunk_batches(usable, np.zeros(len(usable), np.float32), returns, image_keys=self.image_keys,
-                                state_key=self.state_key, action_dim=self.action_dim, max_chunks=self.max_chunks)
-        return self._with_gae(usable, batches)
+    def _stream(self, rollout: int) -> Iterator[dict[str, Any]]:
+        """The rollout's micro-batches as its groups finish (the trainer computes their gradients meanwhile)."""
+        for arrival in self._arrivals_of(rollout):
+            for batch in arrival.batches:
+                self._batches.append(batch)
+                yield batch
 
-    def _with_gae(self, results: list[Any], batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """PPO: each chunk's GAE advantage and value target, from the critic's values of every chunk."""
-        values = np.concatenate([v.numpy() for v in self.value_fn(batches)])
-        advantages, targets, at = [], [], 0
-        for result in results:
-            chunks = result.trajectory.chunks
-            adv, target = gae(chunk_rewards(result.trajectory, self.options.reward), values[at:at + len(chunks)],
-                              self.options.gamma, self.options.gae_lambda)
-            advantages.append(adv)
-            targets.append(target)
-            at += len(chunks)
-        advantages, targets, at = np.concatenate(advantages), np.concatenate(targets), 0
-        for batch in batches:
-            n = len(batch["weight"])
-            batch["advantage"] = torch.from_numpy(advantages[at:at + n])
-            batch["value_target"] = torch.from_numpy(targets[at:at + n])
-            at += n
-        return batches
+    def _arrivals_of(self, rollout: int) -> Iterator[_Arrival]:
+        """The groups of ``rollout`` as they arrive, up to its end (whose counts are added); the driver's error
+        raised here. Groups of later rollouts that arrive meanwhile are kept for their turn."""
+        self._trainer_wait = 0.0
+        while True:
+            early = self._early.get(rollout)
+            if early:
+                arrival = early.pop(0)
+            else:
+                waited = time.perf_counter()
+                try:
+                    arrival = self._arrivals.get(timeout=1.0)
+                except queue.Empty:
+                    self._trainer_wait += time.perf_counter() - waited
+                    if self._driver is not None and not self._driver.is_alive():
+                        raise RuntimeError(f"the rollout driver ended without finishing rollout {rollout}") from None
+                    continue
+                self._trainer_wait += time.perf_counter() - waited
+                if arrival.error is not None:
+                    raise arrival.error
+                if arrival.rollout != rollout:
+                    if arrival.rollout < rollout:
+                        raise RuntimeError(f"rollout {arrival.rollout} arrived after rollout {rollout} was asked for")
+                    self._early.setdefault(arrival.rollout, []).append(arrival)
+                    continue
+            if arrival.batches is None:
+                with self._cond:
+                    self._started.pop(rollout, None)
+                record = arrival.record
+                self.episodes += record["episodes"]
+                self.failed_episodes += record["failed_episodes"]
+                self.env_steps += record["env_steps"]
+                self.rollout_s += record["rollout_s"]
+                self._record({**record, "trainer_wait_s": self._trainer_wait})
+                if record["episodes"] == 0:
+                    raise RuntimeError(f"rollout {rollout}: every episode on rank {self.rank} failed in the "
+                                       "simulator (see the warnings above)")
+                return
+            yield arrival
 
+    def _record(self, record: dict[str, Any]) -> None:
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # --- the driver thread ----------------------------------------------------------------------------------
+    def _may_start(self, rollout: int, version: int | None) -> bool:
+        """Under _cond: sync, once the trainer asks for it; async, once the weights handed to the engine
+        (``version``) have trained on at least ``rollout - max_staleness`` rollouts (the staleness bound; 0: the
+        weights a sync run acts with)."""
+        if version is None:
+            return False
+        if self.options.mode == "sync":
+            return self._requested > rollout
+        return version // self.options.epochs >= rollout - self.options.max_staleness
+
+    def _drive(self, first: int) -> None:
+        """One engine run for the whole training: rollouts released as ``_may_start`` allows, episodes of
+        consecutive rollouts overlapping (no environment waits for a rollout's slowest episode), new weights
+        handed over as they are published."""
+        from roboscale.rollout.engine import Feed
+
+        try:
+            if self.driver_cores:
+                os.sched_setaffinity(0, self.driver_cores)
+            pushed: int | None = None
+            released = first
+            idle_since: float | None = time.perf_counter()  # no rollout running, none released
+
+            def weights() -> tuple[dict[str, torch.Tensor], int] | None:
+                nonlocal pushed
+                with self._cond:
+                    latest = self._weights
+                if latest is None or latest[1] == pushed:
+                    return None
+                pushed = latest[1]
+                return latest
+
+            def jobs() -> list[Any] | None:
+                nonlocal released, idle_since
+                if released >= self.rollouts:
+                    return None
+                now = time.perf_counter()
+                with self._cond:
+                    permitted = self._may_start(released, pushed)
+                if not permitted:
+                    if idle_since is None and not self._running:
+                        idle_since = now  # the simulators have nothing to do until the trainer lets them
+                    return []
+                held = 0.0 if idle_since is None else now - idle_since
+                self.driver_wait_s += held
+                idle_since = None
+                started = self._release(released, pushed, held)
+                released += 1
+                return started
+
+            self.engine.run([], on_result=self._on_result, should_stop=lambda: self._closed, feed=Feed(jobs, weights))
+        except Cancelled:  # closed while rollouts ran (the run ended or failed): they are abandoned
+            return
+        except BaseException as exc:  # the trainer raises it at its next arrival
+            self._arrivals.put(_Arrival(-1, error=exc))
+
+    def _release(self, rollout: int, version: int, held_s: float) -> list[Any]:
+        """Rollout ``rollout``'s episode jobs on this rank, and what will follow its groups."""
+        options = self.options
+        every = step_groups(options, self.tasks, rollout)
+        groups = [g for g in every if g.index % self.world_size == self.rank]
+        jobs = episode_jobs(options, groups, rollout, first_episode=rollout * len(every) * options.group_size)
+        with self._cond:
+            self._started[rollout] = len(jobs)
+        self._running[rollout] = _Running(len(every) * options.group_size, {g.index: [] for g in groups},
+                                          version, time.time(), held_s)
+        return jobs
+
+    def _on_result(self, result: Any) -> None:
+        """An episode ended: its group's micro-batches go to the trainer once the group is whole, the rollout's
+        record once all its groups are."""
+        options = self.options
+        rollout = result.episode // self._episodes_per_rollout()
+        running = self._running[rollout]
+        index = (result.episode - rollout * running.per_rollout) // options.group_size
+        group = running.groups[index]
+        group.append(result)
+        usable = result.trajectory is not None and bool(result.trajectory.chunks)
+        running.episodes += usable
+        running.failed += not usable
+        running.successes += bool(usable and result.success)
+        running.env_steps += result.steps
+        if len(group) < options.group_size:
+            return
+        group.sort(key=lambda r: r.episode)
+        running.left -= 1
+        self._arrivals.put(_Arrival(rollout, group_micro_batches(options, group, version=rollout * options.epochs,
+                                                                 **self.collate), group=index))
+        running.groups[index] = []  # the trajectories are the trainer's now
+        if running.left:
+            return
+        del self._running[rollout]
+        self._arrivals.put(_Arrival(rollout, None, record={
+            "rollout": rollout, "version": running.version,
+            "staleness": (rollout * options.epochs - running.version) // options.epochs,
+            "episodes": running.episodes, "failed_episodes": running.failed, "success": running.successes,
+            "env_steps": running.env_steps, "started": running.started, "ended": time.time(),
+            "rollout_s": time.time() - running.started, "driver_wait_s": running.held_s}))
+
+    def _episodes_per_rollout(self) -> int:
+        return len(self.tasks) * self.options.states_per_task * self.options.group_size
+
+    # --- checkpoint, telemetry, end -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "episodes": self.episodes, "failed_episodes": self.failed_episodes}
+        with self._cond:  # rollouts started beyond the one being trained: a resume from here rolls them out again
+            in_flight = sum(n for r, n in self._started.items() if r >= self.step // self.options.epochs)
+        return {"step": self.step, "episodes": self.episodes, "failed_episodes": self.failed_episodes,
+                "dropped_episodes": self.dropped_episodes, "in_flight_episodes": in_flight}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step = int(state["step"])
@@ -204,10 +451,24 @@ class RolloutSource:
             raise ValueError(f"step {self.step} is inside a rollout of {self.options.epochs} epochs")
         self.episodes = int(state.get("episodes", 0))
         self.failed_episodes = int(state.get("failed_episodes", 0))
+        in_flight = int(state.get("in_flight_episodes", 0))
+        self.dropped_episodes = int(state.get("dropped_episodes", 0)) + in_flight
+        if in_flight:
+            log.warning("resuming at step %d: %d episodes that were rolling out when the checkpoint was saved are "
+                        "rolled out again", self.step, in_flight)
 
     def stats(self) -> dict[str, float]:
         return {"episodes": float(self.episodes), "failed_episodes": float(self.failed_episodes),
-                "env_steps": float(self.env_steps), "rollout_s": self.rollout_s}
+                "dropped_episodes": float(self.dropped_episodes), "env_steps": float(self.env_steps),
+                "rollout_s": self.rollout_s, "driver_wait_s": self.driver_wait_s}
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop the driver (a rollout in flight is abandoned: its processes are killed) and the engine."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            if self._driver is not None:
+                self._driver.join(timeout=60.0)
+        finally:
+            self.engine.close()

@@ -138,6 +138,25 @@ def task_turns(jobs: list[EpisodeJob]) -> list[EpisodeJob]:
     return turns
 
 
+@dataclass
+class Feed:
+    """A run that goes on (RL's asynchronous rollouts): asked between events, ``weights()`` returns newer weights
+    to publish now (``(state, version)``) or None, then ``jobs()`` more jobs to run (a list, maybe empty) or None
+    once no more will come; the run ends when that was said and every job has a result. Published weights reach
+    every process that predicts (in order with the jobs: no job is dealt until each has acknowledged them), and
+    the episodes in flight go on with them (each chunk records the version that predicted it). Results are given
+    to ``on_result`` only, not kept."""
+
+    jobs: Callable[[], list[EpisodeJob] | None]
+    weights: Callable[[], tuple[Mapping[str, Any], int] | None] = lambda: None
+    open: bool = True
+
+
+class Cancelled(Exception):
+    """``run``'s ``should_stop`` said so: the run was abandoned (its pool killed; ``start`` again to reuse the
+    engine)."""
+
+
 class _Restart(Exception):
     """The pool must be restarted (a worker or server died or hung)."""
 
@@ -190,15 +209,18 @@ class RolloutEngine:
         self.close()
 
     # --- work -----------------------------------------------------------------------------------------------
-    def run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None = None
+    def run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None = None,
+            should_stop: Callable[[], bool] | None = None, feed: Feed | None = None
             ) -> tuple[list[EpisodeResult], RolloutStats]:
-        """Every job's result (in job order) and where the time went. Not started: a pool for this call only."""
+        """Every job's result (in job order) and where the time went. Not started: a pool for this call only.
+        ``should_stop``: asked about once a second and after each event; True abandons the run (``Cancelled``).
+        ``feed``: more jobs and new weights while the run goes on (see ``Feed``; the results are then empty)."""
         self._check_idle("run")
         one_shot = self._launcher is None
         self._open()
         self._busy = "run"
         try:
-            return self._run(jobs, on_result)
+            return self._run(jobs, on_result, should_stop or (lambda: False), feed)
         except BaseException:  # an error, or Ctrl-C: nothing of this pool is worth waiting for
             self._discard_pool()
             raise
@@ -259,20 +281,32 @@ class RolloutEngine:
             self._pool.kill()
             self._pool = None
 
-    def _run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None
-             ) -> tuple[list[EpisodeResult], RolloutStats]:
+    def _publish_now(self, feed: Feed) -> None:
+        """A feed's new weights: published (a pool started from now on loads them) and sent to the pool's processes
+        without waiting (the pool deals no job until each has acknowledged them)."""
+        offered = feed.weights()
+        if offered is None:
+            return
+        state, version = offered
+        self._weights = messages.LoadWeights(encode_state(state), operator.index(version))
+        if self._pool is not None:
+            self._pool.send_weights(self._weights)
+
+    def _run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None,
+             should_stop: Callable[[], bool], feed: Feed | None) -> tuple[list[EpisodeResult], RolloutStats]:
         stats = RolloutStats()
-        results: dict[tuple[str, int], EpisodeResult] = {}
+        results: dict[tuple[str, int], EpisodeResult] | None = {} if feed is None else None
         attempts: dict[tuple[str, int], int] = {job.key: 0 for job in jobs}
         pending: deque[EpisodeJob] = deque(task_turns(jobs))
         start = time.perf_counter()
         lost_servers = 0
-        while pending:
+        while pending or (feed is not None and feed.open):
             try:
                 if self._pool is None:
                     self._pool = self._new_pool()
                 self._pool.resume()
-                self._pool.drive(pending, attempts, results, on_result, stats)
+                self._pool.drive(pending, attempts, results, on_result, stats, should_stop, feed,
+                                 None if feed is None else lambda: self._take_feed(feed, pending, attempts))
             except _Restart as restart:
                 self._discard_pool()
                 stats.restarts += 1
@@ -288,7 +322,22 @@ class RolloutEngine:
             self._pool.report(stats)
             stats.inference = "server" if self._pool.servers else "worker"
         stats.wall_s = time.perf_counter() - start
-        return [results[job.key] for job in jobs], stats
+        return ([] if results is None else [results[job.key] for job in jobs]), stats
+
+    def _take_feed(self, feed: Feed, pending: deque[EpisodeJob], attempts: dict) -> None:
+        """Between events: the feed's new weights, then its new jobs (dealt after the weights they may need)."""
+        self._publish_now(feed)
+        if not feed.open:
+            return
+        jobs = feed.jobs()
+        if jobs is None:
+            feed.open = False
+            return
+        for job in jobs:
+            if job.key in attempts:
+                raise ValueError(f"the feed gave the job {job.key} twice (episode numbers must be unique in a run)")
+            attempts[job.key] = 0
+        pending.extend(task_turns(jobs))
 
 
 class _Pool:
@@ -340,6 +389,9 @@ class _Pool:
         self.last_seen: dict[str, float] = {}
         self.assigned: dict[str, dict[tuple[str, int], EpisodeJob]] = {name: {} for name in self.workers}
         self.started: dict[str, set[tuple[str, int]]] = {name: set() for name in self.workers}
+        self.awaiting: set[str] = set()
+        """Processes that have not acknowledged the weights sent during a run (no job is dealt meanwhile)."""
+        self.sent_version: int | None = None
 
     @property
     def handles(self) -> dict[str, Handle]:
@@ -365,11 +417,24 @@ class _Pool:
             pass
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def drive(self, pending: deque[EpisodeJob], attempts: dict, results: dict,
-              on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats) -> None:
-        while pending or any(self.assigned.values()):
-            self._deal(pending, attempts)
-            match self._next_event(timeout=1.0):
+    def drive(self, pending: deque[EpisodeJob], attempts: dict, results: dict | None,
+              on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats,
+              should_stop: Callable[[], bool], feed: Feed | None = None,
+              take_feed: Callable[[], None] | None = None) -> None:
+        """Until every job has a result (and, with a ``feed``, it said no more will come: ``take_feed`` takes what
+        it offers between events); ``results``: None keeps none (they go to ``on_result``)."""
+        while True:
+            if should_stop():
+                raise Cancelled
+            if take_feed is not None:
+                take_feed()
+            if not (pending or any(self.assigned.values()) or (feed is not None and feed.open)):
+                return
+            if not self.awaiting:
+                self._deal(pending, attempts)
+            match self._next_event(timeout=1.0 if feed is None else 0.05):
+                case messages.WeightsLoaded(name, version) if version == self.sent_version:
+                    self.awaiting.discard(name)
                 case messages.Started(name, key, _):
                     self.started[name].add(tuple(key))
                 case messages.Result(name, record, trajectory):
@@ -379,7 +444,8 @@ class _Pool:
                     self.assigned[name].pop(key, None)
                     self.started[name].discard(key)
                     attempts[key] += 1
-                    results[key] = result
+                    if results is not None:
+                        results[key] = result
                     if on_result is not None:
                         on_result(result)
                 case messages.EpisodeFailed(name, key, reason):
@@ -416,7 +482,8 @@ class _Pool:
                     attempts[job.key], reason)
         result = EpisodeResult(job.task, job.episode, job.seed, False, 0, 0.0, 0.0, attempts=attempts[job.key],
                                error=reason)
-        results[job.key] = result
+        if results is not None:
+            results[job.key] = result
         if on_result is not None:
             on_result(result)
 
@@ -466,6 +533,13 @@ class _Pool:
             jobs.clear()
         for job in sorted(left, key=lambda j: j.key, reverse=True):
             pending.appendleft(job)
+
+    def send_weights(self, weights: messages.LoadWeights) -> None:
+        """During a run: every process that predicts is sent ``weights``; ``drive`` deals no job until each has
+        acknowledged them (so a job dealt from now on is predicted by them from its first chunk)."""
+        for name in self.predicting:
+            self.controls[name].put(weights)
+        self.awaiting, self.sent_version = set(self.predicting), weights.version
 
     # --- between runs --------------------------------------------------------------------------------------
     def load_weights(self, weights: messages.LoadWeights) -> None:

@@ -55,6 +55,8 @@ class Prediction:
     """[T, A] float32: each entry's log-density under the weights that sampled it, over its stochastic steps
     (``sde``; ``FlowMatching.sampled_log_density``): the chunk's log-probability once the executed entries are
     known."""
+    value: float | None = None
+    """The value head's estimate of the observation's return (``sde`` with weights that carry a critic: PPO)."""
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """Where an array is expected, a prediction is its chunk (callers that only compare actions)."""
@@ -112,19 +114,34 @@ class PolicyRunner:
         self.steps = config.num_inference_steps
 
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """New weights (strict: every tensor of the policy but its critic, which acting never reads, of its shape,
-        and nothing else) and their version. Checked before anything is copied, so a refused state leaves the
-        weights and version as they were."""
-        from roboscale.models.value import acting_weights
+        """New weights (strict: every tensor of the policy, of its shape, and nothing else) and their version.
+        Weights that carry a critic (PPO's value head) give the policy one, of their shape, if it has none, and
+        from then on each ``sde`` prediction its value; weights without one leave it out of the comparison.
+        Checked before anything is copied, so a refused state leaves the weights and version as they were."""
+        from roboscale.models.value import CRITIC, ValueHead, acting_weights
 
-        own, state = acting_weights(self.policy.state_dict()), acting_weights(dict(state))
+        state = dict(state)
         where = f"published weights (version {version})"
+        critic = {k.removeprefix(CRITIC): v for k, v in state.items() if k.startswith(CRITIC)}
+        head = self.policy.value_head
+        if critic and head is None:
+            try:
+                head = ValueHead(critic["hidden.weight"].shape[1], critic["hidden.weight"].shape[0])
+            except KeyError:
+                raise CheckpointError(where, f"its critic lacks {CRITIC}hidden.weight") from None
+        own = self.policy.state_dict() if head is self.policy.value_head else {
+            **self.policy.state_dict(), **{CRITIC + k: v for k, v in head.state_dict().items()}}
+        if not critic:
+            own, state = acting_weights(own), acting_weights(state)
         missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
         reshaped = sorted(k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape))
         for what, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped)):
             if names:
                 raise CheckpointError(where, f"{len(names)} tensors {what} for this policy (first: {names[0]!r})")
-        self.policy.load_state_dict(state, strict=False)  # complete but for the critic: checked above
+        if head is not self.policy.value_head:
+            self.policy.value_head = head.to(self.device).eval()
+            self.policy.config.value_head_dim = head.hidden.out_features
+        self.policy.load_state_dict(state, strict=False)  # complete (the critic aside when it has none): checked
         self.version = version
 
     def batch(self, items: list[PredictItem]) -> dict[str, Any]:
@@ -159,8 +176,11 @@ class PolicyRunner:
         stochastic = np.stack([stochastic_steps(it.noise_seed, it.chunk_index, self.steps, self.sde_steps)
                                for it in items])
         stochastic = torch.from_numpy(stochastic)
-        actions, chains = self.policy.sample_action_chain(observation, noise, draws, self.noise_level, stochastic)
+        actions, chains, values = self.policy.sample_action_chain(observation, noise, draws, self.noise_level,
+                                                                  stochastic)
         densities = sampled_log_density(draws, stochastic, self.steps, self.noise_level).numpy()
-        return [Prediction(chunk, chain, self.version, steps.numpy(), density)
-                for chunk, chain, steps, density in zip(actions.float().cpu().numpy(), chains.float().cpu().numpy(),
-                                                        stochastic, densities, strict=True)]
+        values = [None] * len(items) if values is None else values.float().cpu().tolist()
+        return [Prediction(chunk, chain, self.version, steps.numpy(), density, value)
+                for chunk, chain, steps, density, value in zip(actions.float().cpu().numpy(),
+                                                               chains.float().cpu().numpy(), stochastic, densities,
+                                                               values, strict=True)]

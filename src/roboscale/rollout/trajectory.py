@@ -37,6 +37,8 @@ class ChunkRecord:
     """[executed] float32: the env's reward after each executed step."""
     version: int
     """The weights version that predicted it."""
+    value: float | None = None
+    """The acting weights' value estimate of the observation (PPO; None without a critic)."""
 
 
 @dataclass
@@ -65,7 +67,7 @@ class TrajectoryRecorder:
         self._close_chunk()
         self.chunks.append(ChunkRecord(state, images, instruction, prediction.chain, prediction.stochastic,
                                        prediction.log_density, prediction.chunk, 0, np.zeros(0, np.float32),
-                                       prediction.version))
+                                       prediction.version, prediction.value))
 
     def step(self, reward: float) -> None:
         self._rewards.append(reward)

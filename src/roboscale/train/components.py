@@ -37,7 +37,8 @@ class Stateful(Protocol):
 @runtime_checkable
 class DataSource(Stateful, Protocol):
     """This rank's batches, one ``next()`` per optimizer step: its share of the global batch (a list of
-    micro-batches when it cuts them itself). ``stats()``: counters for telemetry (``distinct_episodes`` is
+    micro-batches when it cuts them itself, or an iterator of micro-batches that arrive while the step computes
+    the earlier ones: RL's trajectories as simulators finish them). ``stats()``: counters for telemetry (``distinct_episodes`` is
     logged when present). ``close()`` stops whatever it started (workers, simulators); called when training ends
     or fails. ``roboscale.data.loading.loader.StreamingLoader`` is one."""
 

@@ -1,7 +1,7 @@
 """One step's objective metrics, reduced by name over its micro-batches and the data-parallel ranks.
 
 Counts (``loss_weight``, ``tokens``, ``computed_tokens`` and the names an objective lists in ``objective.summed``)
-are summed; every other metric is a ``loss_weight``-weighted mean, so a step's ``loss`` is the global batch's
+are summed, the names in ``objective.maxed`` take their largest value (bounds: RL's staleness); every other metric is a ``loss_weight``-weighted mean, so a step's ``loss`` is the global batch's
 mean loss whatever the number of ranks or micro-batches. The values travel as one float64 vector in the sorted
 order of their names: one all-reduce per step, without a host sync per micro-batch. The names are the same for
 every micro-batch, step and rank (checked: across ranks once, at the first step).
@@ -26,6 +26,10 @@ def summed_names(objective: Callable[..., Any]) -> frozenset[str]:
     return SUMMED | frozenset(getattr(objective, "summed", ()))
 
 
+def maxed_names(objective: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(getattr(objective, "maxed", ()))
+
+
 def loss_weight(metrics: Mapping[str, Any]) -> torch.Tensor:
     """The objective's ``loss_weight`` (required: the micro-batch's share of the global batch's loss)."""
     if WEIGHT not in metrics:
@@ -39,8 +43,11 @@ class StepMetrics:
     names of the run's earlier steps, which every step keeps (None at the first step, whose names are checked
     against every rank's: a rank with other names would add unrelated values position by position, or hang)."""
 
-    def __init__(self, summed: frozenset[str], device: torch.device, agreed: tuple[str, ...] | None = None):
+    def __init__(self, summed: frozenset[str], device: torch.device, agreed: tuple[str, ...] | None = None,
+                 maxed: frozenset[str] = frozenset()):
         self.summed = summed
+        self.maxed = maxed
+        self.largest: dict[str, torch.Tensor] = {}
         self.device = device
         self.agreed = agreed
         self.names: tuple[str, ...] | None = None
@@ -63,6 +70,9 @@ class StepMetrics:
             raise TrainingError(f"the objective returned the metrics {list(names)} for a micro-batch and "
                                 f"{list(self.names)} for an earlier one of the same step; it must return the same "
                                 "names for every batch")
+        for name in self.maxed.intersection(names):
+            value = _scalar(name, metrics[name], self.device)
+            self.largest[name] = torch.maximum(self.largest[name], value) if name in self.largest else value
         weight = weight.double()
         values = [weight if name == WEIGHT else
                   _scalar(name, metrics[name], self.device) * (1.0 if name in self.summed else weight)
@@ -80,8 +90,15 @@ class StepMetrics:
                 _check_same_names_on_every_rank(self.names)
             dist.all_reduce(self.totals, op=dist.ReduceOp.SUM)
         weight = self.totals[self.names.index(WEIGHT)]
-        return {name: value if name in self.summed else value / weight.clamp_min(1e-12)
-                for name, value in zip(self.names, self.totals, strict=True)}
+        reduced = {name: value if name in self.summed else value / weight.clamp_min(1e-12)
+                   for name, value in zip(self.names, self.totals, strict=True)}
+        if self.largest:  # the same names on every rank (checked above), in the same order
+            names = sorted(self.largest)
+            largest = torch.stack([self.largest[name] for name in names])
+            if distributed:
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            reduced.update(zip(names, largest, strict=True))
+        return reduced
 
 
 def _scalar(name: str, value: Any, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -318,28 +318,36 @@ class Trainer:
         """One optimizer step over this rank's share of a global batch; metrics as tensors (global values): the
         objective's, reduced by name (``train/reduction.py``), and ``grad_norm``, ``lr``, ``skipped_steps``."""
         from roboscale.distributed.parallelize import set_gradient_sync
-        from roboscale.train.reduction import StepMetrics, loss_weight, summed_names
+        from roboscale.train.reduction import StepMetrics, loss_weight, maxed_names, summed_names
 
         env, device = self.env, self.env.device
         self.optimizer.zero_grad(set_to_none=True)
-        micro = [self.to_device(m) for m in self.micro_batches(batch)]
-        count = len(micro)
-        if env.distributed:
-            count = int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
         # over micro-batches, then ranks
-        totals = StepMetrics(summed_names(self.objective), device, agreed=self._agreed_metrics)
+        totals = StepMetrics(summed_names(self.objective), device, agreed=self._agreed_metrics,
+                             maxed=maxed_names(self.objective))
         # bf16: FSDP gathers bf16 weights (half the traffic); autocast casts what the policy computes inside a
         # block (pixels, positions) to match them
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
-        for i in range(count):
-            with set_gradient_sync(self.module, i == count - 1), autocast:
-                loss, metrics = self.module(micro[min(i, len(micro) - 1)])
+
+        def accumulate(micro_batch: Any, sync: bool, counted: bool) -> None:
+            with set_gradient_sync(self.module, sync), autocast:
+                loss, metrics = self.module(micro_batch)
                 weight = loss_weight(metrics).to(device=device, dtype=torch.float32)
-                if i >= len(micro):  # a rank with fewer micro-batches keeps step with the others, at zero weight
+                if not counted:  # a rank with fewer micro-batches keeps step with the others, at zero weight
                     weight = weight * 0
                 (loss * weight).backward()
-            if i < len(micro):
+            if counted:
                 totals.add({"loss": loss.detach(), **metrics}, weight)
+
+        if isinstance(batch, Iterator):  # micro-batches that arrive over time (RL: as simulators finish episodes)
+            micro = self.accumulate_stream(batch, accumulate)
+        else:
+            micro = [self.to_device(m) for m in self.micro_batches(batch)]
+            count = len(micro)
+            if env.distributed:
+                count = int(all_reduce(torch.tensor([count], dtype=torch.float64), "max")[0])
+            for i in range(count):  # gradients are reduced over ranks once, with the last
+                accumulate(micro[min(i, len(micro) - 1)], sync=i == count - 1, counted=i < len(micro))
         reduced = totals.reduce(env.distributed)
         self._agreed_metrics = totals.names
         # reduced gradients are the mean over data-parallel ranks of sum_i w_i grad(loss_i): times ranks / total
@@ -376,6 +384,27 @@ class Trainer:
                 hook(self)
         return {**reduced, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                 "skipped_steps": float(self.skipped_steps)}
+
+    def accumulate_stream(self, stream: Iterator[Any], accumulate: Callable[[Any, bool, bool], None]) -> list[Any]:
+        """Accumulate micro-batches as they arrive; returns them. How many there will be is not known in advance,
+        so before each the ranks agree whether any has one left (a rank that has none repeats its last at zero
+        weight), and each reduces its gradients (the last is not known when it runs). The wait for an arrival is
+        the step's data wait."""
+        received: list[Any] = []
+        while True:
+            with self.telemetry.blocked("data"):
+                micro_batch = next(stream, None)
+            more = micro_batch is not None
+            if self.env.distributed:
+                more = bool(all_reduce(torch.tensor([float(more)], dtype=torch.float64), "max")[0])
+            if not more:
+                return received
+            if micro_batch is None and not received:
+                raise TrainingError(f"step {self.step + 1}: rank {self.env.rank} received no micro-batch while "
+                                    "other ranks did")
+            if micro_batch is not None:
+                received.append(self.to_device(micro_batch))
+            accumulate(received[-1], True, micro_batch is not None)
 
     @torch.no_grad()
     def update_ema(self) -> None:

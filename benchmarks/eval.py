@@ -31,7 +31,7 @@ from roboscale.configs.rollout import RolloutConfig
 from roboscale.models.registry import build_policy, preset_config
 from roboscale.rollout.engine import EnvSetup, RolloutEngine, RolloutStats
 from roboscale.rollout.episode import EpisodeJob
-from roboscale.sim.experts import episode_seed
+from roboscale.sim.env import episode_seed
 from roboscale.sim.metaworld import CAMERA_ALIASES, FPS, resolve_tasks, task_description
 
 CAMERAS = ["observation.images.corner2", "observation.images.wrist"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from roboscale.sim.experts import episode_seed, run_expert_episode
+from roboscale.sim.env import episode_seed
+from roboscale.sim.experts import run_expert_episode
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig, resolve_tasks
 from roboscale.utils.stats import wilson_interval
 

@@ -54,7 +54,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     from roboscale.rollout.engine import EnvSetup, RolloutEngine
     from roboscale.rollout.episode import EpisodeJob
     from roboscale.sim.env import env_spec
-    from roboscale.sim.experts import episode_seed
+    from roboscale.sim.env import episode_seed
 
     spec = env_spec(cfg.env)
     tasks = spec.resolve_tasks(cfg.tasks)

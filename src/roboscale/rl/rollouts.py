@@ -60,7 +60,7 @@ class Group:
 
 
 def step_groups(options: RLOptions, tasks: list[str], step: int) -> list[Group]:
-    from roboscale.sim.experts import episode_seed
+    from roboscale.sim.env import episode_seed
 
     groups = []
     for task in tasks:

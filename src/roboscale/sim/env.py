@@ -10,6 +10,7 @@ this file, passing ``--env=package.module:SPEC_NAME``). See docs/architecture.md
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -61,6 +62,13 @@ class EnvSpec:
 
     def sim_cameras(self, names: Sequence[str]) -> dict[str, str]:
         return {name: self.camera_aliases.get(name, name) for name in names}
+
+
+def episode_seed(seed: int, task: str, attempt: int) -> int:
+    """The seed ``reset`` places episode ``attempt`` of ``task`` with, from a run's base ``seed``: stable over
+    processes and restarts (crc32, not ``hash()``), 31 bits. Every adapter's episodes are numbered by it
+    (demonstrations, evaluation, RL), so their scenes never depend on which process runs them."""
+    return (seed * 1_000_003 + zlib.crc32(task.encode()) + attempt * 7919) % (2**31 - 1)
 
 
 BUILTIN: dict[str, str] = {"metaworld": "roboscale.sim.metaworld:ENV_SPEC"}

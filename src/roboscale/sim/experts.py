@@ -12,7 +12,6 @@ import logging
 import multiprocessing as mp
 import os
 import warnings
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.errors import RoboscaleError
+from roboscale.sim.env import episode_seed
 from roboscale.sim.metaworld import (
     ACTION_DIM,
     FPS,
@@ -62,11 +62,6 @@ def dataset_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict
         }
     )
     return features
-
-
-def episode_seed(seed: int, task: str, attempt: int) -> int:
-    """A stable 31-bit seed per (base seed, task, attempt); crc32 rather than hash() so it survives restarts."""
-    return (seed * 1_000_003 + zlib.crc32(task.encode()) + attempt * 7919) % (2**31 - 1)
 
 
 @dataclass

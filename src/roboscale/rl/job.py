@@ -102,7 +102,9 @@ class RLJob:
             engine.start()  # one pool for the whole run: its servers take each rollout's weights
         if cores:
             os.sched_setaffinity(0, cores.trainer)
-            torch_threads(len(cores.trainer))
+            import torch
+
+            torch.set_num_threads(len(cores.trainer))
         source = RolloutSource(cfg.rl, self.tasks, engine, trainer.policy.config, rollouts=cfg.steps // cfg.rl.epochs,
                                rank=trainer.env.rank, world_size=trainer.plan.dp_size,
                                before_first=lambda: publisher.publish(trainer),
@@ -166,12 +168,6 @@ def split_cores() -> Cores:
                           f"{len(cores)})")
     half = len(cores) // 2
     return Cores(set(cores[:half]), set(cores[half:]))
-
-
-def torch_threads(count: int) -> None:
-    import torch
-
-    torch.set_num_threads(count)
 
 
 def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_config: Any) -> Any:

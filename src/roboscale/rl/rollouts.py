@@ -44,7 +44,7 @@ import torch
 
 from roboscale.configs.rl import RLOptions
 from roboscale.rl.advantages import gae, group_advantages
-from roboscale.rollout.engine import Cancelled
+from roboscale.rollout.engine import Cancelled, Feed
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,6 @@ def group_micro_batches(options: RLOptions, results: list[Any], *, version: int,
 class _Running:
     """A released rollout's groups while their episodes end (the driver thread's)."""
 
-    per_rollout: int
-    """Episodes of the rollout on all ranks (its episode numbers start at rollout x this)."""
     groups: dict[int, list[Any]]
     version: int
     """The weights version handed to the engine when it was released (later chunks may act with newer ones)."""
@@ -238,8 +236,8 @@ class RolloutSource:
         self.driver_wait_s = 0.0
         """Time the simulators had no rollout to run: none running, the next held back for its turn (sync) or for
         fresh enough weights (async)."""
-        # shared with the driver thread, under _cond
-        self._cond = threading.Condition()
+        # shared with the driver thread (which polls them from its engine run), under _lock
+        self._lock = threading.Lock()
         self._weights: tuple[dict[str, torch.Tensor], int] | None = None  # the latest published, and its version
         self._requested = 0  # rollouts the trainer has asked for
         self._started: dict[int, int] = {}  # rollout -> its episodes on this rank, while in flight
@@ -258,9 +256,8 @@ class RolloutSource:
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> None:
         """New weights for the rollouts that start from now on (``version``: the trainer's step)."""
-        with self._cond:
+        with self._lock:
             self._weights = (state, version)
-            self._cond.notify_all()
 
     def __next__(self) -> Any:
         if not self.rolls_out_next and self._batches is not None:  # another epoch on the same rollout
@@ -272,9 +269,8 @@ class RolloutSource:
                 self.before_first()
             self._driver = threading.Thread(target=self._drive, args=(rollout,), name="rollout-driver", daemon=True)
             self._driver.start()
-        with self._cond:
+        with self._lock:
             self._requested = rollout + 1
-            self._cond.notify_all()
         self.step += 1
         self._batches = []
         if self.options.mode == "sync":  # the whole rollout, then the step: in group order
@@ -316,7 +312,7 @@ class RolloutSource:
                     self._early.setdefault(arrival.rollout, []).append(arrival)
                     continue
             if arrival.batches is None:
-                with self._cond:
+                with self._lock:
                     self._started.pop(rollout, None)
                 record = arrival.record
                 self.episodes += record["episodes"]
@@ -337,7 +333,7 @@ class RolloutSource:
 
     # --- the driver thread ----------------------------------------------------------------------------------
     def _may_start(self, rollout: int, version: int | None) -> bool:
-        """Under _cond: sync, once the trainer asks for it; async, once the weights handed to the engine
+        """Under _lock: sync, once the trainer asks for it; async, once the weights handed to the engine
         (``version``) have trained on at least ``rollout - max_staleness`` rollouts (the staleness bound; 0: the
         weights a sync run acts with)."""
         if version is None:
@@ -350,8 +346,6 @@ class RolloutSource:
         """One engine run for the whole training: rollouts released as ``_may_start`` allows, episodes of
         consecutive rollouts overlapping (no environment waits for a rollout's slowest episode), new weights
         handed over as they are published."""
-        from roboscale.rollout.engine import Feed
-
         try:
             if self.driver_cores:
                 os.sched_setaffinity(0, self.driver_cores)
@@ -361,7 +355,7 @@ class RolloutSource:
 
             def weights() -> tuple[dict[str, torch.Tensor], int] | None:
                 nonlocal pushed
-                with self._cond:
+                with self._lock:
                     latest = self._weights
                 if latest is None or latest[1] == pushed:
                     return None
@@ -373,7 +367,7 @@ class RolloutSource:
                 if released >= self.rollouts:
                     return None
                 now = time.perf_counter()
-                with self._cond:
+                with self._lock:
                     permitted = self._may_start(released, pushed)
                 if not permitted:
                     if idle_since is None and not self._running:
@@ -395,13 +389,11 @@ class RolloutSource:
     def _release(self, rollout: int, version: int, held_s: float) -> list[Any]:
         """Rollout ``rollout``'s episode jobs on this rank, and what will follow its groups."""
         options = self.options
-        every = step_groups(options, self.tasks, rollout)
-        groups = [g for g in every if g.index % self.world_size == self.rank]
-        jobs = episode_jobs(options, groups, rollout, first_episode=rollout * len(every) * options.group_size)
-        with self._cond:
+        groups = [g for g in step_groups(options, self.tasks, rollout) if g.index % self.world_size == self.rank]
+        jobs = episode_jobs(options, groups, rollout, first_episode=rollout * self._episodes_per_rollout())
+        with self._lock:
             self._started[rollout] = len(jobs)
-        self._running[rollout] = _Running(len(every) * options.group_size, {g.index: [] for g in groups},
-                                          version, time.time(), held_s)
+        self._running[rollout] = _Running({g.index: [] for g in groups}, version, time.time(), held_s)
         return jobs
 
     def _on_result(self, result: Any) -> None:
@@ -410,7 +402,7 @@ class RolloutSource:
         options = self.options
         rollout = result.episode // self._episodes_per_rollout()
         running = self._running[rollout]
-        index = (result.episode - rollout * running.per_rollout) // options.group_size
+        index = (result.episode - rollout * self._episodes_per_rollout()) // options.group_size
         group = running.groups[index]
         group.append(result)
         usable = result.trajectory is not None and bool(result.trajectory.chunks)
@@ -428,19 +420,21 @@ class RolloutSource:
         if running.left:
             return
         del self._running[rollout]
+        ended = time.time()
         self._arrivals.put(_Arrival(rollout, None, record={
             "rollout": rollout, "version": running.version,
             "staleness": (rollout * options.epochs - running.version) // options.epochs,
             "episodes": running.episodes, "failed_episodes": running.failed, "success": running.successes,
-            "env_steps": running.env_steps, "started": running.started, "ended": time.time(),
-            "rollout_s": time.time() - running.started, "driver_wait_s": running.held_s}))
+            "env_steps": running.env_steps, "started": running.started, "ended": ended,
+            "rollout_s": ended - running.started, "driver_wait_s": running.held_s}))
 
     def _episodes_per_rollout(self) -> int:
+        """Episodes of a rollout on all ranks: rollout r's are numbered from r x this."""
         return len(self.tasks) * self.options.states_per_task * self.options.group_size
 
     # --- checkpoint, telemetry, end -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        with self._cond:  # rollouts started beyond the one being trained: a resume from here rolls them out again
+        with self._lock:  # rollouts started beyond the one being trained: a resume from here rolls them out again
             in_flight = sum(n for r, n in self._started.items() if r >= self.step // self.options.epochs)
         return {"step": self.step, "episodes": self.episodes, "failed_episodes": self.failed_episodes,
                 "dropped_episodes": self.dropped_episodes, "in_flight_episodes": in_flight}
@@ -464,9 +458,8 @@ class RolloutSource:
 
     def close(self) -> None:
         """Stop the driver (a rollout in flight is abandoned: its processes are killed) and the engine."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
         try:
             if self._driver is not None:
                 self._driver.join(timeout=60.0)

@@ -281,17 +281,6 @@ class RolloutEngine:
             self._pool.kill()
             self._pool = None
 
-    def _publish_now(self, feed: Feed) -> None:
-        """A feed's new weights: published (a pool started from now on loads them) and sent to the pool's processes
-        without waiting (the pool deals no job until each has acknowledged them)."""
-        offered = feed.weights()
-        if offered is None:
-            return
-        state, version = offered
-        self._weights = messages.LoadWeights(encode_state(state), operator.index(version))
-        if self._pool is not None:
-            self._pool.send_weights(self._weights)
-
     def _run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None,
              should_stop: Callable[[], bool], feed: Feed | None) -> tuple[list[EpisodeResult], RolloutStats]:
         stats = RolloutStats()
@@ -305,7 +294,7 @@ class RolloutEngine:
                 if self._pool is None:
                     self._pool = self._new_pool()
                 self._pool.resume()
-                self._pool.drive(pending, attempts, results, on_result, stats, should_stop, feed,
+                self._pool.drive(pending, attempts, results, on_result, stats, should_stop,
                                  None if feed is None else lambda: self._take_feed(feed, pending, attempts))
             except _Restart as restart:
                 self._discard_pool()
@@ -324,20 +313,27 @@ class RolloutEngine:
         stats.wall_s = time.perf_counter() - start
         return ([] if results is None else [results[job.key] for job in jobs]), stats
 
-    def _take_feed(self, feed: Feed, pending: deque[EpisodeJob], attempts: dict) -> None:
-        """Between events: the feed's new weights, then its new jobs (dealt after the weights they may need)."""
-        self._publish_now(feed)
+    def _take_feed(self, feed: Feed, pending: deque[EpisodeJob], attempts: dict) -> bool:
+        """Between events: the feed's new weights (published, so that a pool started from now on loads them, and
+        sent to this pool's processes without waiting), then its new jobs (dealt once the weights they may need
+        are acknowledged). Returns whether more jobs may come."""
+        offered = feed.weights()
+        if offered is not None:
+            state, version = offered
+            self._weights = messages.LoadWeights(encode_state(state), operator.index(version))
+            self._pool.send_weights(self._weights)
         if not feed.open:
-            return
+            return False
         jobs = feed.jobs()
         if jobs is None:
             feed.open = False
-            return
+            return False
         for job in jobs:
             if job.key in attempts:
                 raise ValueError(f"the feed gave the job {job.key} twice (episode numbers must be unique in a run)")
             attempts[job.key] = 0
         pending.extend(task_turns(jobs))
+        return True
 
 
 class _Pool:
@@ -419,20 +415,19 @@ class _Pool:
     # --- the loop ------------------------------------------------------------------------------------------
     def drive(self, pending: deque[EpisodeJob], attempts: dict, results: dict | None,
               on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats,
-              should_stop: Callable[[], bool], feed: Feed | None = None,
-              take_feed: Callable[[], None] | None = None) -> None:
-        """Until every job has a result (and, with a ``feed``, it said no more will come: ``take_feed`` takes what
-        it offers between events); ``results``: None keeps none (they go to ``on_result``)."""
+              should_stop: Callable[[], bool], take_feed: Callable[[], bool] | None = None) -> None:
+        """Until every job has a result (and, with a feed, it said no more will come: ``take_feed`` takes what it
+        offers between events and says whether more may come); ``results``: None keeps none (they go to
+        ``on_result``)."""
         while True:
             if should_stop():
                 raise Cancelled
-            if take_feed is not None:
-                take_feed()
-            if not (pending or any(self.assigned.values()) or (feed is not None and feed.open)):
+            more = take_feed() if take_feed is not None else False
+            if not (pending or any(self.assigned.values()) or more):
                 return
             if not self.awaiting:
                 self._deal(pending, attempts)
-            match self._next_event(timeout=1.0 if feed is None else 0.05):
+            match self._next_event(timeout=1.0 if take_feed is None else 0.05):
                 case messages.WeightsLoaded(name, version) if version == self.sent_version:
                     self.awaiting.discard(name)
                 case messages.Started(name, key, _):

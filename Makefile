@@ -13,7 +13,7 @@ export PYOPENGL_PLATFORM ?= egl
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[sim,test,lake,train]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[sim,libero,test,lake,train]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
 install: $(BIN)/.installed

@@ -11,6 +11,7 @@ import argparse
 
 from roboscale.sim.env import episode_seed
 from roboscale.sim.experts import run_expert_episode
+from roboscale.sim.metaworld_experts import EXPERTS
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig, resolve_tasks
 from roboscale.utils.stats import wilson_interval
 
@@ -28,7 +29,7 @@ def main() -> None:
     for task in resolve_tasks(args.tasks):
         # the expert reads the full state: no cameras needed (rendering is most of a step's cost)
         with MetaWorldEnv(task, RenderConfig(16, 16, {}), max_episode_steps=args.max_steps) as env:
-            wins = sum(run_expert_episode(env, episode_seed(args.seed, task, i), 0.0, 0).success
+            wins = sum(run_expert_episode(env, EXPERTS, episode_seed(args.seed, task, i), 0.0, 0, scene=i).success
                        for i in range(args.episodes))
         low, high = wilson_interval(wins, args.episodes)
         rates.append(wins / args.episodes)

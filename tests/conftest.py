@@ -52,9 +52,9 @@ def write_tiny_dataset(root: Path) -> Path:
     import numpy as np
 
     from roboscale.data import DatasetWriter
-    from roboscale.sim.experts import dataset_features
+    from roboscale.sim.metaworld_experts import EXPERTS
 
-    writer = DatasetWriter.create(root, fps=80, features=dataset_features(32, {"corner2": "", "wrist": ""}),
+    writer = DatasetWriter.create(root, fps=80, features=EXPERTS.dataset_features(32, {"corner2": "", "wrist": ""}),
                                   robot_type="sawyer")
     rng = np.random.default_rng(0)
     for ep in range(4):

@@ -31,11 +31,17 @@ def _generate(argv: list[str]) -> None:
 
 
 def _tasks(argv: list[str]) -> None:
-    from roboscale.sim.metaworld import SUITES, TASK_DESCRIPTIONS
+    from roboscale.config import parse
+    from roboscale.configs.data import TasksConfig
+    from roboscale.sim.env import env_spec
 
-    for task, text in sorted(TASK_DESCRIPTIONS.items()):
+    spec = env_spec(parse(TasksConfig, argv, prog="roboscale data tasks").env)
+    if spec.catalog is None:
+        raise ConfigError(f"--env: the {spec.name} environment does not list its tasks")
+    tasks, suites = spec.catalog()
+    for task, text in sorted(tasks.items()):
         print(f"{task:30s} {text}")
-    print("\nsuites: " + ", ".join(f"{k} ({len(v)} tasks)" for k, v in SUITES.items()))
+    print("\nsuites: " + ", ".join(f"{k} ({len(v)} tasks)" for k, v in suites.items()))
 
 
 def _info(argv: list[str]) -> None:
@@ -220,7 +226,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "info": Command("print a dataset's schema, episodes, tasks, sizes on disk and codecs", _info),
         "validate": Command("check every file of a dataset and list every problem (exit 1 if any)", _validate),
         "convert": Command("convert a LeRobot v2.0/v2.1 dataset to v3.0: convert SRC DST", _convert),
-        "tasks": Command("list the MetaWorld tasks and suites", _tasks),
+        "tasks": Command("list a simulator's tasks and suites (--env=metaworld|libero)", _tasks),
     },
     "model": {
         "info": Command("parameter count of a policy by component (meta-device build): model info pi05", _model_info),

@@ -34,12 +34,12 @@ log = logging.getLogger(__name__)
 def run_demo(cfg: DemoConfig) -> dict:
     from roboscale.data import LeRobotDataset
     from roboscale.models.registry import build_policy
-    from roboscale.sim.metaworld import resolve_tasks
+    from roboscale.sim.env import env_spec
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    tasks = resolve_tasks(cfg.data.tasks)
+    tasks = env_spec(cfg.data.env).tasks_or_default(cfg.data.tasks)
 
     data_dir = out / "data"
     cfg.data.out = str(data_dir)

@@ -25,7 +25,7 @@ TASKS = {"reach": "Reach the goal", "reach-far": "Reach the far goal", "crash-on
 
 class PointEnv:
     def __init__(self, task: str, image_size: int = 32, cameras: dict | None = None, max_steps: int = 30,
-                 state_feature: str = "observation.state"):
+                 state_feature: str = "observation.state", options: None = None):
         self.task = task
         self.instruction = TASKS[task]
         self.camera_names = list(cameras or {})
@@ -41,7 +41,7 @@ class PointEnv:
                   for i, name in enumerate(self.camera_names)}
         return {"state": self.state.astype(np.float32), "images": images}
 
-    def reset(self, seed: int) -> dict:
+    def reset(self, seed: int, scene: int = 0) -> dict:
         rng = np.random.default_rng(seed)
         self.seed = seed
         self.state = rng.uniform(-0.5, 0.5, 4)

@@ -8,22 +8,29 @@ equal).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class GenerateConfig:
     """`roboscale data generate`: run the scripted experts and write a LeRobot v3.0 dataset."""
 
-    tasks: list[str] = field(default_factory=lambda: ["demo"])
-    """MetaWorld task names (e.g. drawer-open, with or without -v3) or suites: demo, mt10, mt50."""
+    env: str = "metaworld"
+    """The simulator whose scripted experts act: metaworld or libero (libero_object and libero_spatial tasks)."""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    """The simulator's own options (``--env_options.NAME=VALUE``; LIBERO: settle_steps)."""
+    tasks: list[str] = field(default_factory=list)
+    """Task names or suites (empty: the simulator's default; MetaWorld: demo, e.g. drawer-open, mt10, mt50;
+    LIBERO: libero_object, libero_spatial or task names)."""
     episodes_per_task: int = 25
     """Successful episodes to keep per task (failed expert episodes are discarded and retried)."""
-    out: str = "outputs/data/metaworld"
-    """Dataset directory to create (must not exist yet)."""
+    out: str = ""
+    """Dataset directory to create (must not exist yet; default outputs/data/<env>)."""
     image_size: int = 64
     """Height and width of every camera image, in pixels."""
-    cameras: dict[str, str] = field(default_factory=lambda: {"corner2": "corner2", "wrist": "gripperPOV"})
-    """Feature name -> MuJoCo camera. Stored as observation.images.<name>."""
+    cameras: dict[str, str] = field(default_factory=dict)
+    """Feature name -> simulator camera, stored as observation.images.<name> (empty: the simulator's default;
+    MetaWorld {corner2: corner2, wrist: gripperPOV}, LIBERO {image: agentview, image2: robot0_eye_in_hand})."""
     action_noise: float = 0.3
     """Std of the noise added to the expert's actions when executing them (fraction of the [-1, 1] range)."""
     noise_correlation: float = 0.9
@@ -33,8 +40,9 @@ class GenerateConfig:
     record_expert_action: bool = True
     """Label each frame with the expert's intended action (DART) rather than the noisy action executed. The
     executed action is kept as `action.executed`."""
-    max_episode_steps: int = 300
-    """Give up on an expert episode after this many steps (experts need 35-180)."""
+    max_episode_steps: int = 0
+    """Give up on an expert episode after this many steps (0: the experts' own limit; MetaWorld's 300, where
+    they need 35-180)."""
     steps_after_success: int = 10
     """Keep recording this many steps after success so policies learn to hold the final state."""
     max_attempts: int = 0
@@ -42,10 +50,21 @@ class GenerateConfig:
     makes experts fail: with the default noise the push expert succeeds in about one attempt in four."""
     seed: int = 0
     """Base seed: episode placements and noise derive from (seed, task, attempt)."""
+    first_scene: int = 0
+    """Attempt a starts from scene first_scene + a (LIBERO: init state (first_scene + a) mod 50; MetaWorld places
+    from the seed alone). Evaluation's episode i uses scene i: demos from scene 25 on leave 0-24 unseen."""
     workers: int = 2
-    """Parallel worker processes (one MetaWorld env each)."""
+    """Parallel worker processes (one env each, a task at a time)."""
     video_codec: str = "libsvtav1"
     """Video codec for the mp4 files (libsvtav1 as LeRobot; libx264 also works)."""
+
+
+@dataclass
+class TasksConfig:
+    """`roboscale data tasks`: every task of a simulator with its instruction, and its suites."""
+
+    env: str = "metaworld"
+    """The simulator: metaworld or libero."""
 
 
 @dataclass

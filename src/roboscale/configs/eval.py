@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from roboscale.configs.rollout import RolloutConfig
 from roboscale.errors import ConfigError
@@ -17,29 +18,44 @@ class EvalProtocol:
     option_prefix: ClassVar[str] = "--"
 
     env: str = "metaworld"
-    """The simulator adapter (registered name, or package.module:SPEC for one of your own)."""
-    tasks: list[str] = field(default_factory=lambda: ["demo"])
-    """Tasks or suites: demo, mt10, mt50, pairs (tasks told apart by the instruction alone)."""
+    """The simulator adapter: metaworld, libero, or package.module:SPEC for one of your own."""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    """The simulator's own options (``--env_options.NAME=VALUE``; LIBERO: settle_steps)."""
+    tasks: list[str] = field(default_factory=list)
+    """Tasks or suites (empty: the simulator's default). MetaWorld: demo, mt10, mt50, pairs (tasks told apart by
+    the instruction alone), or task names; LIBERO: libero_spatial, libero_object, libero_goal, libero_10,
+    libero_90, or task names."""
     episodes: int = 10
     """Episodes per task."""
     seed: int = 1000
     """Evaluation seed; episode i of task t is placed by (seed, t, i). Demos use seed 0, so 1000 is unseen."""
-    max_steps: int = 250
-    """Steps before an episode counts as a failure (experts need 35-180 on these tasks)."""
+    max_steps: int = 0
+    """Steps before an episode counts as a failure (0: the simulator's limit; MetaWorld 250, where experts need
+    35-180; LIBERO per suite as LeRobot's: spatial/object 280, goal 300, libero_10 520, libero_90 400)."""
     videos_per_task: int = 2
     """Rollout videos to keep per task, failures and successes both where there are both."""
 
     def __post_init__(self) -> None:
-        for name in ("episodes", "max_steps"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{self.option_prefix}{name} must be a positive integer, got {getattr(self, name)}")
+        if self.episodes <= 0:
+            raise ConfigError(f"{self.option_prefix}episodes must be a positive integer, got {self.episodes}")
+        if self.max_steps < 0:
+            raise ConfigError(f"{self.option_prefix}max_steps must be >= 0 (0: the simulator's limit), "
+                              f"got {self.max_steps}")
         if self.videos_per_task < 0:
             raise ConfigError(f"{self.option_prefix}videos_per_task must be >= 0, got {self.videos_per_task}")
 
     def protocol_options(self) -> list[str]:
         """These options as `roboscale eval` arguments."""
         values = {f.name: getattr(self, f.name) for f in fields(EvalProtocol)}
-        return [f"--{name}={','.join(value) if isinstance(value, list) else value}" for name, value in values.items()]
+        return [f"--{name}={_as_option(value)}" for name, value in values.items()]
+
+
+def _as_option(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value)  # a YAML flow mapping
+    return str(value)
 
 
 @dataclass
@@ -48,8 +64,8 @@ class EvalConfig(EvalProtocol):
 
     checkpoint: str = ""
     """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last)."""
-    video_camera: str = "corner2"
-    """Camera shown in the videos."""
+    video_camera: str = ""
+    """Camera shown in the videos (empty: the simulator's; MetaWorld corner2, LIBERO image)."""
     instructions: dict[str, str] = field(default_factory=dict)
     """Task -> instruction to give the policy instead of the task's own (paraphrases, or a swapped instruction
     as a language-following control), e.g. {faucet-open: "Rotate the faucet clockwise"}."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from roboscale.configs.rollout import RolloutConfig
 from roboscale.configs.train import CheckpointConfig, EvalDuringTrainingConfig, OptimizerConfig, ParallelConfig
@@ -106,7 +107,9 @@ class RLConfig:
     """The supervised policy to start from: a training output_dir (its last checkpoint), checkpoints/<step> or
     a pretrained_model directory."""
     env: str = "metaworld"
-    """The simulator adapter (a registered name)."""
+    """The simulator adapter (metaworld, libero, or package.module:SPEC)."""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    """The simulator's own options (``--env_options.NAME=VALUE``; LIBERO: settle_steps)."""
     tasks: list[str] = field(default_factory=list)
     """Tasks or suites to train on."""
     output_dir: str = "outputs/rl"

@@ -97,8 +97,6 @@ class EvalDuringTrainingConfig(EvalProtocol):
             raise ConfigError(f"--eval.every must be >= 0, got {self.every}")
         if self.workers <= 0:
             raise ConfigError(f"--eval.workers must be a positive integer, got {self.workers}")
-        if self.every and not self.tasks:
-            raise ConfigError("--eval.tasks is empty; name the tasks or suites to evaluate on")
 
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp", "hsdp")

@@ -1,6 +1,6 @@
 """`roboscale eval`: score a checkpoint in closed loop and write a report that records the whole protocol.
 
-Episode ``i`` of task ``t`` starts from ``reset(episode_seed(seed, t, i))`` and draws its flow-matching noise
+Episode ``i`` of task ``t`` starts from ``reset(episode_seed(seed, t, i), scene=i)`` and draws its flow-matching noise
 from (that seed, chunk index), so its outcome does not depend on the number of workers, environments per worker,
 or the batch its observations were predicted in. Finished episodes go to ``episodes.jsonl`` as they finish; a
 rerun with the same protocol skips them.
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from roboscale.config import to_dict
 from roboscale.configs.eval import EvalConfig
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.eval.records import read_json_object
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_FILE = "protocol.json"
 LOCK_FILE = ".eval.lock"
-PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i)), a hash of (seed, t, i): the "
-             "same placement whichever worker runs it")
+PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i), scene=i), episode_seed a hash of "
+             "(seed, t, i) (LIBERO: init state i mod 50): the same placement whichever worker runs it")
 NOISE = ("flow-matching noise of the k-th chunk an episode predicts: N(0, 1) from PCG64([episode seed, k]): "
          "independent of batching")
 SUCCESS_RULE = "success at any step ends the episode; no success within max_steps is a failure"
@@ -53,18 +54,18 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     from roboscale.models.policy import Policy
     from roboscale.rollout.engine import EnvSetup, RolloutEngine
     from roboscale.rollout.episode import EpisodeJob
-    from roboscale.sim.env import env_spec
-    from roboscale.sim.env import episode_seed
+    from roboscale.sim.env import env_spec, episode_seed
 
     spec = env_spec(cfg.env)
-    tasks = spec.resolve_tasks(cfg.tasks)
+    tasks = spec.tasks_or_default(cfg.tasks)
+    video_camera = cfg.video_camera or spec.video_camera
     instructions = {spec.resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
     if not cfg.checkpoint:
         raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or pretrained_model)")
     checkpoint = resolve_checkpoint(cfg.checkpoint)
     policy = Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
     policy_cfg = policy.config
-    env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, cfg.video_camera)
+    env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
     _check_cameras(spec, tasks[0], env_options, checkpoint)
     cameras, image_size = env_options["cameras"], env_options["image_size"]
     out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
@@ -73,7 +74,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     protocol = {
         "env": spec.name, "tasks": tasks, "episodes_per_task": cfg.episodes, "seed": cfg.seed,
         "placement": PLACEMENT, "max_steps": cfg.max_steps, "success_rule": SUCCESS_RULE, "cameras": cameras,
-        "state_feature": policy_cfg.state_key, "image_size": image_size, "video_camera": cfg.video_camera,
+        "state_feature": policy_cfg.state_key, "image_size": image_size, "video_camera": video_camera,
+        "env_options": to_dict(env_options["options"]),
         "n_action_steps": policy_cfg.n_action_steps,
         "chunk_size": policy_cfg.chunk_size, "num_inference_steps": policy_cfg.num_inference_steps, "noise": NOISE,
         "instructions": {task: instructions.get(task) or spec.instruction(task) for task in tasks},
@@ -102,7 +104,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         if done:
             log.info("resuming: %d of %d episodes were already done (%s)", len(done), len(tasks) * cfg.episodes,
                      episode_log.path)
-        setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, env_options, cfg.video_camera,
+        setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, env_options, video_camera,
                          str(out_dir / "videos"))
         results, stats = _run(RolloutEngine(cfg.rollout, setup), jobs, episode_log, progress)
         results = sorted([*done.values(), *results], key=lambda r: (tasks.index(r.task), r.episode))
@@ -132,24 +134,26 @@ def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, An
     }
 
 
-def policy_env_options(spec: Any, policy_cfg: Any, checkpoint: Path, max_steps: int, video_camera: str = ""
-                       ) -> dict[str, Any]:
+def policy_env_options(spec: Any, policy_cfg: Any, checkpoint: Path, max_steps: int, video_camera: str = "",
+                       options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``make(task, **options)`` for environments that show this policy what it was trained on: its cameras (and
-    the video camera) at its image size, the state feature it reads; one line when the env cannot give it."""
+    the video camera) at its image size, the state feature it reads, the adapter's own ``options`` parsed; one
+    line when the env cannot give it."""
     names = [k.removeprefix("observation.images.") for k in policy_cfg.image_keys]
     cameras = spec.sim_cameras(dict.fromkeys([*names, video_camera] if video_camera else names))
     if policy_cfg.state_key not in spec.state_features:
         raise ConfigError(f"{checkpoint}: the policy reads the state feature {policy_cfg.state_key!r}, which the "
                           f"{spec.name} environment does not give (it gives {list(spec.state_features)})")
     return {"image_size": int(getattr(policy_cfg, "image_size", 64)), "cameras": cameras, "max_steps": max_steps,
-            "state_feature": policy_cfg.state_key}
+            "state_feature": policy_cfg.state_key, "options": spec.parse_options(options or {})}
 
 
-def policy_env_setup(spec: Any, tasks: list[str], policy_cfg: Any, checkpoint: Path, max_steps: int) -> Any:
+def policy_env_setup(spec: Any, tasks: list[str], policy_cfg: Any, checkpoint: Path, max_steps: int,
+                     env_options: dict[str, Any] | None = None) -> Any:
     """The rollout engine's ``EnvSetup`` for this policy (no videos), its cameras checked in one environment."""
     from roboscale.rollout.engine import EnvSetup
 
-    options = policy_env_options(spec, policy_cfg, checkpoint, max_steps)
+    options = policy_env_options(spec, policy_cfg, checkpoint, max_steps, options=env_options)
     _check_cameras(spec, tasks[0], options, checkpoint)
     return EnvSetup(spec.name, str(checkpoint), policy_cfg.n_action_steps, options)
 

@@ -189,11 +189,16 @@ def fit_to_dataset(cfg: PolicyConfig, meta) -> None:
     features = meta.features
     for key in (cfg.state_key, cfg.action_key):
         feature_size(meta, key)
-    if not cfg.image_keys:
-        cfg.image_keys = list(meta.camera_keys)
+    depth_keys = set(getattr(meta, "depth_keys", ()))
+    if not cfg.image_keys:  # depth maps (LeRobot 0.6) are distances, not the RGB frames a policy's encoder takes
+        cfg.image_keys = [k for k in meta.camera_keys if k not in depth_keys]
     missing = [k for k in cfg.image_keys if k not in features]
     if missing:
         raise ConfigError(f"cameras {missing} are not in the dataset at {meta.root} (cameras: {meta.camera_keys})")
+    depth = [k for k in cfg.image_keys if k in depth_keys]
+    if depth:
+        raise ConfigError(f"camera {depth[0]!r} of the dataset at {meta.root} is a depth map (12-bit distances); "
+                          f"{type(cfg).type} takes RGB frames: leave it out of --policy.image_keys")
     for name, key in (("state_dim", cfg.state_key), ("action_dim", cfg.action_key)):
         size = feature_size(meta, key)
         padded_from = getattr(cfg, f"dataset_{name}")

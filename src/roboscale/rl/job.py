@@ -176,4 +176,4 @@ def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_confi
     from roboscale.eval.closed_loop import policy_env_setup
     from roboscale.sim.env import env_spec
 
-    return policy_env_setup(env_spec(cfg.env), tasks, policy_config, checkpoint, cfg.rl.max_steps)
+    return policy_env_setup(env_spec(cfg.env), tasks, policy_config, checkpoint, cfg.rl.max_steps, cfg.env_options)

@@ -56,6 +56,8 @@ class Group:
     index: int
     task: str
     seed: int
+    scene: int
+    """The initial state's number among the run's attempts at ``task`` (what ``episode_seed`` hashes)."""
     instruction: str = ""
 
 
@@ -65,7 +67,8 @@ def step_groups(options: RLOptions, tasks: list[str], step: int) -> list[Group]:
     groups = []
     for task in tasks:
         for s in range(options.states_per_task):
-            groups.append(Group(len(groups), task, episode_seed(options.seed, task, step * options.states_per_task + s)))
+            scene = step * options.states_per_task + s
+            groups.append(Group(len(groups), task, episode_seed(options.seed, task, scene), scene))
     return groups
 
 
@@ -80,7 +83,8 @@ def episode_jobs(options: RLOptions, groups: list[Group], step: int, first_episo
     from roboscale.rollout.episode import EpisodeJob
 
     return [EpisodeJob(group.task, first_episode + group.index * options.group_size + member, group.seed,
-                       group.instruction, noise_seed=noise_seed(options, step, group, member), record_trajectory=True)
+                       group.instruction, noise_seed=noise_seed(options, step, group, member), record_trajectory=True,
+                       scene=group.scene)
             for group in groups for member in range(options.group_size)]
 
 

@@ -1,8 +1,8 @@
 """What one episode is asked to be (``EpisodeJob``) and what came of it (``EpisodeResult``).
 
-Episode ``i`` of task ``t`` starts from ``reset(episode_seed(seed, t, i))`` and draws its flow-matching noise from
-``chunk_noise(job.seed, chunk)`` (``job.noise_seed`` instead, where given), so its outcome depends on neither the
-worker that runs it nor the batch its observations were predicted in.
+Episode ``i`` of task ``t`` starts from ``reset(episode_seed(seed, t, i), scene=i)`` and draws its flow-matching
+noise from ``chunk_noise(job.seed, chunk)`` (``job.noise_seed`` instead, where given), so its outcome depends on
+neither the worker that runs it nor the batch its observations were predicted in.
 """
 
 from __future__ import annotations
@@ -30,10 +30,17 @@ class EpisodeJob:
     initial state (one ``seed``) with different ``noise_seed``s."""
     record_trajectory: bool = False
     """Record what the policy saw and sampled, chunk by chunk, with the rewards (``EpisodeResult.trajectory``)."""
+    scene: int | None = None
+    """Which of the task's fixed initial states ``reset`` starts from (LIBERO: init state ``scene mod 50``; None:
+    ``episode``). GRPO's group shares one, as it shares ``seed``."""
 
     @property
     def key(self) -> tuple[str, int]:
         return self.task, self.episode
+
+    @property
+    def start_scene(self) -> int:
+        return self.episode if self.scene is None else self.scene
 
     @property
     def draws_from(self) -> int:

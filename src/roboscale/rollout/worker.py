@@ -117,7 +117,6 @@ class _EnvWorker:
         """Built environments no slot uses, oldest first (``_park``)."""
         self.stopping = False
         self.local = settings.local.build() if settings.local else None
-        self.max_steps = settings.env_options.get("max_steps")
         # totals so far, but for the timings of the environments still open (``_totals`` adds those)
         self.stats: dict[str, float] = {"env_steps": 0, "sim_s": 0.0, "render_s": 0.0, "inference_s": 0.0,
                                         "inference_calls": 0, "observations": 0, "envs_made": 0, "env_make_s": 0.0,
@@ -240,7 +239,7 @@ class _EnvWorker:
                 self._park(slot)
                 slot.env = spare or self._make(job.task)
             slot.instruction = job.instruction or slot.env.instruction
-            slot.observation = slot.env.reset(job.seed)
+            slot.observation = slot.env.reset(job.seed, job.start_scene)
         except Exception as exc:
             self._fail(slot, exc)
             return
@@ -265,7 +264,7 @@ class _EnvWorker:
         if slot.job.record_video:
             slot.frames.append(step.observation["images"][self.s.video_camera])
         if step.success or step.done:  # success at any step ends it (MetaWorld can leave a success state)
-            cut = not step.success and self.max_steps is not None and slot.steps >= self.max_steps
+            cut = not step.success and slot.steps >= slot.env.max_steps
             self._finish(slot, bool(step.success), terminated=not cut)
 
     def _finish(self, slot: _Slot, success: bool, terminated: bool) -> None:

@@ -1,8 +1,10 @@
 """The one interface evaluation and RL reach simulators through, and the registry of adapters.
 
-An adapter is an ``EnvSpec``: how to name its tasks (suites included), the instruction a task gives the policy, and
-how to build an ``Env`` for one task with given cameras. ``Env.reset(seed)`` alone fixes the initial state, so an
-episode is reproducible in whichever process runs it; ``step(action)`` returns a ``Step``.
+An adapter is an ``EnvSpec``: how to name its tasks (suites included), the instruction a task gives the policy, how
+to build an ``Env`` for one task with given cameras, its typed options and its defaults. ``Env.reset(seed, scene)``
+alone fixes the initial state (``scene``: the episode's index among its task's initial states, for simulators that
+ship a fixed list of them, as LIBERO does; the others place from ``seed``), so an episode is reproducible in
+whichever process runs it; ``step(action)`` returns a ``Step``.
 
 Adding a simulator is one module that defines an ``ENV_SPEC`` and one line in ``BUILTIN`` (or, without touching
 this file, passing ``--env=package.module:SPEC_NAME``). See docs/architecture.md, "Adding an environment".
@@ -36,8 +38,13 @@ class Env(Protocol):
     camera_names: list[str]
     timings: dict[str, float]
     """Seconds spent so far in ``sim_s`` (physics) and ``render_s`` (cameras): the rollout engine's breakdown."""
+    max_steps: int
+    """The episode's step limit: ``step`` says ``done`` when it is reached (a cut-off, not an ending)."""
 
-    def reset(self, seed: int) -> dict[str, Any]: ...
+    def reset(self, seed: int, scene: int = 0) -> dict[str, Any]:
+        """Start an episode: ``scene`` picks one of the task's fixed initial states where the simulator has them
+        (LIBERO: init state ``scene mod 50``), ``seed`` everything else (MetaWorld: the whole placement)."""
+        ...
 
     def step(self, action: Any, render: bool = True) -> Step:
         """``render=False``: the observation may leave ``images`` empty (nobody will look at them)."""
@@ -50,8 +57,10 @@ class Env(Protocol):
 class EnvSpec:
     name: str
     make: Callable[..., Env]
-    """``make(task, image_size=..., cameras={name: sim camera}, max_steps=..., state_feature=...) -> Env``; the
-    observation's ``state`` is the dataset feature ``state_feature`` names (one of ``state_features``)."""
+    """``make(task, image_size=..., cameras={name: sim camera}, max_steps=..., state_feature=..., options=...)
+    -> Env``; the observation's ``state`` is the dataset feature ``state_feature`` names (one of
+    ``state_features``); ``max_steps`` 0 is the adapter's limit for the task; ``options`` an instance of
+    ``options`` (``parse_options``)."""
     resolve_tasks: Callable[[Sequence[str]], list[str]]
     """Task and suite names as a user writes them -> the env's task names (a ConfigError for unknown ones)."""
     instruction: Callable[[str], str]
@@ -59,9 +68,39 @@ class EnvSpec:
     """The state features (dataset feature names) the env can give a policy as its observation's ``state``."""
     camera_aliases: dict[str, str] = field(default_factory=dict)
     """Dataset camera names -> the simulator's camera names, where they differ."""
+    options: type | None = None
+    """The adapter's own options (a dataclass: ``--env_options.NAME=VALUE``), or None when it has none."""
+    default_tasks: tuple[str, ...] = ()
+    """What runs when a user names no tasks."""
+    default_cameras: dict[str, str] = field(default_factory=dict)
+    """Dataset camera name -> simulator camera, for demonstrations when a user names none."""
+    video_camera: str = ""
+    """The camera evaluation videos show by default."""
+    catalog: Callable[[], tuple[dict[str, str], dict[str, tuple[str, ...]]]] | None = None
+    """Every task with its instruction, and the suites (``roboscale data tasks``)."""
+    experts: str = ""
+    """``module:attribute`` of the adapter's ``ExpertSpec`` (``roboscale.sim.experts``: scripted demonstrations),
+    imported only when demonstrations are generated; empty: the adapter has no experts."""
 
     def sim_cameras(self, names: Sequence[str]) -> dict[str, str]:
         return {name: self.camera_aliases.get(name, name) for name in names}
+
+    def parse_options(self, raw: dict[str, Any] | Any) -> Any:
+        """``raw`` (``--env_options`` as a mapping, or already an instance) as the adapter's options dataclass;
+        an unknown or mistyped option is a ConfigError naming it."""
+        from roboscale.config import from_dict
+
+        if self.options is None:
+            if raw:
+                raise ConfigError(f"--env_options: the {self.name} environment takes no options, got {sorted(raw)}")
+            return None
+        if isinstance(raw, self.options):
+            return raw
+        return from_dict(self.options, dict(raw or {}), "--env_options")
+
+    def tasks_or_default(self, names: Sequence[str]) -> list[str]:
+        """``resolve_tasks(names)``, or the adapter's default tasks when ``names`` is empty."""
+        return self.resolve_tasks(list(names) or list(self.default_tasks))
 
 
 def episode_seed(seed: int, task: str, attempt: int) -> int:
@@ -71,7 +110,7 @@ def episode_seed(seed: int, task: str, attempt: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(task.encode()) + attempt * 7919) % (2**31 - 1)
 
 
-BUILTIN: dict[str, str] = {"metaworld": "roboscale.sim.metaworld:ENV_SPEC"}
+BUILTIN: dict[str, str] = {"metaworld": "roboscale.sim.metaworld:ENV_SPEC", "libero": "roboscale.sim.libero:ENV_SPEC"}
 
 
 def env_spec(name: str) -> EnvSpec:

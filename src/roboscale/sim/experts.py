@@ -1,9 +1,10 @@
-"""Scripted-expert demonstrations: MetaWorld's hand-written policies, with action noise, into a LeRobot dataset.
+"""Scripted-expert demonstrations, with action noise, into a LeRobot dataset, for any adapter with experts.
 
-Episodes are generated in worker processes (one env per process, re-used across episodes) and written by the
-main process, which owns the single DatasetWriter so episode indices stay contiguous and the write is atomic.
-Each episode is seeded from (seed, task, episode number) alone, so a dataset is reproducible whatever the number
-of workers.
+An adapter's ``ExpertSpec`` (``EnvSpec.experts``) says what its demonstrations record and which expert acts from an
+observation (privileged state included); this module runs them. Episodes are generated in worker processes (one
+env per process, re-used across episodes) and written by the main process, which owns the single DatasetWriter so
+episode indices stay contiguous and the write is atomic. Each episode is seeded from (seed, task, attempt) and
+starts from scene ``first_scene + attempt`` alone, so a dataset is reproducible whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -11,57 +12,57 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from roboscale.configs.data import GenerateConfig
-from roboscale.errors import RoboscaleError
-from roboscale.sim.env import episode_seed
-from roboscale.sim.metaworld import (
-    ACTION_DIM,
-    FPS,
-    FULL_STATE_DIM,
-    STATE_DIM,
-    MetaWorldEnv,
-    RenderConfig,
-    resolve_tasks,
-)
+from roboscale.errors import ConfigError, RoboscaleError
+from roboscale.sim.env import Env, EnvSpec, env_spec, episode_seed
+from roboscale.utils.imports import load
 from roboscale.utils.lifetime import run_owned, signals_deferred
-
-# MetaWorld's scripted experts are proportional controllers with gains above 1 and warn, on every step that
-# saturates, that the environment clips their action to [-1, 1]. The clipping is what they are written for, and a
-# demo printed that warning dozens of times: silence exactly that message (in this process and in the expert
-# workers, which import this module).
-warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning)
 
 log = logging.getLogger(__name__)
 
+Expert = Callable[[dict[str, Any]], np.ndarray]
+"""An observation (as ``Env.reset``/``step`` return it) -> the action to take, in the env's [-1, 1] units."""
 
-def dataset_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict]:
-    """The LeRobot features of a MetaWorld demonstration dataset (the 5 default features are added by the writer)."""
-    features: dict[str, dict] = {
-        f"observation.images.{name}": {
-            "dtype": "video",
-            "shape": [image_size, image_size, 3],
-            "names": ["height", "width", "channels"],
-        }
-        for name in cameras
-    }
-    features.update(
-        {
-            "observation.state": {"dtype": "float32", "shape": [STATE_DIM], "names": ["x", "y", "z", "gripper"]},
-            "observation.environment_state": {"dtype": "float32", "shape": [FULL_STATE_DIM], "names": None},
-            "action": {"dtype": "float32", "shape": [ACTION_DIM], "names": ["dx", "dy", "dz", "grip"]},
-            "action.executed": {"dtype": "float32", "shape": [ACTION_DIM], "names": ["dx", "dy", "dz", "grip"]},
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How an adapter's scripted experts make demonstrations."""
+
+    fps: int
+    robot_type: str
+    observation_features: Callable[[int, dict[str, str]], dict[str, dict]]
+    """(image_size, cameras) -> the dataset features of what is observed (cameras, state features)."""
+    action_names: tuple[str, ...]
+    expert: Callable[[Env], Expert]
+    """The task's expert for an env just reset: called once per episode (an expert may keep a plan)."""
+    frame: Callable[[dict[str, Any]], dict[str, np.ndarray]]
+    """An observation -> its non-image columns (each state feature)."""
+    max_steps: int
+    """Give up on an episode after this many steps (GenerateConfig.max_episode_steps 0)."""
+
+    def dataset_features(self, image_size: int, cameras: dict[str, str]) -> dict[str, dict]:
+        """The demonstration dataset's features (the writer adds LeRobot's 5 default ones)."""
+        action = {"dtype": "float32", "shape": [len(self.action_names)], "names": list(self.action_names)}
+        return {
+            **self.observation_features(image_size, cameras),
+            "action": action,
+            "action.executed": dict(action),
             "next.reward": {"dtype": "float32", "shape": [1], "names": None},
             "next.success": {"dtype": "bool", "shape": [1], "names": None},
         }
-    )
-    return features
+
+
+def expert_spec(spec: EnvSpec) -> ExpertSpec:
+    if not spec.experts:
+        raise ConfigError(f"--env: the {spec.name} environment has no scripted experts to generate demonstrations")
+    return load(spec.experts)
 
 
 @dataclass
@@ -74,35 +75,35 @@ class Episode:
 
 
 def run_expert_episode(
-    env: MetaWorldEnv,
+    env: Env,
+    experts: ExpertSpec,
     seed: int,
     action_noise: float,
     steps_after_success: int,
     noise_correlation: float = 0.0,
     record_expert_action: bool = False,
+    scene: int = 0,
 ) -> Episode:
     """Roll out the task's scripted expert once, executing its actions plus AR(1) noise.
 
     Frames record the observation and the action for it: the expert's own (``record_expert_action``) or the
     executed one; ``action.executed`` always holds what was sent to the env.
     """
-    from metaworld.policies import ENV_POLICY_MAP
-
-    expert = ENV_POLICY_MAP[env.task]()
     rng = np.random.default_rng(seed)
-    obs = env.reset(seed)
+    obs = env.reset(seed, scene)
+    expert = experts.expert(env)
+    action_dim = len(experts.action_names)
     columns: dict[str, list] = {}
     success_at = None
-    noise = np.zeros(ACTION_DIM, dtype=np.float32)
+    noise = np.zeros(action_dim, dtype=np.float32)
     innovation = action_noise * np.sqrt(1.0 - noise_correlation**2)  # keeps the noise's std at action_noise
-    for step in range(env.max_episode_steps):
-        intended = np.clip(expert.get_action(obs["full_state"]).astype(np.float32), -1.0, 1.0)
-        noise = noise_correlation * noise + rng.normal(0.0, innovation, size=ACTION_DIM).astype(np.float32)
+    for step in range(env.max_steps):
+        intended = np.clip(np.asarray(expert(obs), dtype=np.float32), -1.0, 1.0)
+        noise = noise_correlation * noise + rng.normal(0.0, innovation, size=action_dim).astype(np.float32)
         action = np.clip(intended + noise, -1.0, 1.0)
         next_obs, reward, success, truncated, _ = env.step(action)
         frame = {f"observation.images.{k}": v for k, v in obs["images"].items()}
-        frame["observation.state"] = obs["state"]
-        frame["observation.environment_state"] = obs["full_state"].astype(np.float32)
+        frame.update(experts.frame(obs))
         frame["action"] = intended if record_expert_action else action
         frame["action.executed"] = action
         frame["next.reward"] = np.float32(reward)
@@ -122,11 +123,14 @@ def run_expert_episode(
 
 def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:
     """Generate `episodes_per_task` successful episodes of one task and send them to the writer process."""
-    render = RenderConfig(cfg.image_size, cfg.image_size, dict(cfg.cameras))
+    spec = env_spec(cfg.env)
+    experts = expert_spec(spec)
     kept = 0
     attempt = 0
     max_attempts = cfg.max_attempts or 4 * cfg.episodes_per_task + 10
-    with MetaWorldEnv(task, render, max_episode_steps=cfg.max_episode_steps) as env:
+    env = spec.make(task, image_size=cfg.image_size, cameras=cameras_of(cfg, spec),
+                    max_steps=cfg.max_episode_steps or experts.max_steps, options=spec.parse_options(cfg.env_options))
+    try:
         while kept < cfg.episodes_per_task:
             if attempt >= max_attempts:
                 queue.put(("error", task, f"the expert succeeded only {kept} times in {attempt} attempts at "
@@ -134,17 +138,26 @@ def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:
                 return
             episode = run_expert_episode(
                 env,
+                experts,
                 episode_seed(cfg.seed, task, attempt),
                 cfg.action_noise,
                 cfg.steps_after_success,
                 cfg.noise_correlation,
                 cfg.record_expert_action,
+                scene=cfg.first_scene + attempt,
             )
             attempt += 1
             if episode.success:  # failed expert attempts are not demonstrations
                 queue.put(("episode", task, episode))
                 kept += 1
+    finally:
+        env.close()
     queue.put(("done", task, None))
+
+
+def cameras_of(cfg: GenerateConfig, spec: EnvSpec) -> dict[str, str]:
+    """Dataset camera name -> simulator camera: the user's, or the adapter's default ones."""
+    return dict(cfg.cameras) if cfg.cameras else dict(spec.default_cameras)
 
 
 def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None]]:
@@ -153,7 +166,7 @@ def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None
     Failed expert attempts are dropped in the workers (counted in ``Episode``-less form by the caller via
     attempts). Tasks are spread over ``cfg.workers`` processes; each task's episodes arrive in seed order.
     """
-    tasks = resolve_tasks(cfg.tasks)
+    tasks = env_spec(cfg.env).tasks_or_default(cfg.tasks)
     ctx = mp.get_context("spawn")  # fork is unsafe with an EGL context / OpenMP threads in the parent
     queue: mp.Queue = ctx.Queue(maxsize=64)
     pending = list(tasks)
@@ -203,13 +216,16 @@ def generate_dataset(cfg: GenerateConfig) -> Path:
 
     from roboscale.data import DatasetWriter
 
-    tasks = resolve_tasks(cfg.tasks)
-    out = Path(cfg.out)
+    spec = env_spec(cfg.env)
+    experts = expert_spec(spec)
+    tasks = spec.tasks_or_default(cfg.tasks)
+    spec.parse_options(cfg.env_options)  # a bad option fails here, once, not in every worker
+    out = Path(cfg.out or f"outputs/data/{spec.name}")
     writer = DatasetWriter.create(
         out,
-        fps=FPS,
-        features=dataset_features(cfg.image_size, cfg.cameras),
-        robot_type="sawyer",
+        fps=experts.fps,
+        features=experts.dataset_features(cfg.image_size, cameras_of(cfg, spec)),
+        robot_type=experts.robot_type,
         video_codec=cfg.video_codec,
     )
     waiting: dict[str, list[Episode]] = {t: [] for t in tasks}

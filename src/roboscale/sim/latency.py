@@ -44,13 +44,13 @@ class SlowEnv:
     def __init__(self, env: Env, latency: StepLatency):
         self.env, self.latency = env, latency
         self.task, self.instruction, self.camera_names = env.task, env.instruction, env.camera_names
-        self.timings = env.timings
+        self.timings, self.max_steps = env.timings, env.max_steps
         self.timings.setdefault("latency_s", 0.0)
         self._rng = latency.draws(0)
 
-    def reset(self, seed: int) -> dict[str, Any]:
+    def reset(self, seed: int, scene: int = 0) -> dict[str, Any]:
         self._rng = self.latency.draws(seed)
-        return self.env.reset(seed)
+        return self.env.reset(seed, scene)
 
     def step(self, action: Any, render: bool = True) -> Step:
         wait = self.latency.median_ms / 1000 * math.exp(self.latency.sigma * self._rng.standard_normal())

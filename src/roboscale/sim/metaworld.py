@@ -101,6 +101,7 @@ CAMERA_POSITIONS = {"corner2": (0.75, 0.075, 0.7)}
 FLIPPED_CAMERAS = {"corner", "corner2"}  # these come out upside-down from MuJoCo
 CAMERA_ALIASES = {"corner2": "corner2", "wrist": "gripperPOV"}
 
+EPISODE_LIMIT = 250  # evaluation's default cut-off: experts need 35-180 steps on these tasks
 STATE_DIM = 4  # hand xyz + gripper opening
 FULL_STATE_DIM = 39  # MetaWorld's observation: hand, gripper, two object poses, the same a step before, the goal
 # The state features a policy may read, as dataset feature names, and which part of the 39-d observation each is.
@@ -209,7 +210,13 @@ class MetaWorldEnv:
         self.timings["render_s"] += time.perf_counter() - start
         return images
 
-    def reset(self, seed: int) -> dict:
+    @property
+    def max_steps(self) -> int:
+        return self.max_episode_steps
+
+    def reset(self, seed: int, scene: int = 0) -> dict:
+        """The placement comes from ``seed`` alone (MetaWorld draws it; ``scene`` is for simulators with fixed
+        initial states)."""
         start = time.perf_counter()
         self._env.seed(int(seed))
         full_state, _ = self._env.reset()
@@ -244,10 +251,17 @@ class MetaWorldEnv:
 
 
 def make_env(task: str, *, image_size: int = 64, cameras: dict[str, str] | None = None,
-             max_steps: int = 500, state_feature: str = "observation.state") -> MetaWorldEnv:
+             max_steps: int = 0, state_feature: str = "observation.state", options: None = None) -> MetaWorldEnv:
     render = RenderConfig(image_size, image_size, dict(cameras) if cameras is not None else {})
-    return MetaWorldEnv(task, render, max_episode_steps=max_steps, state_feature=state_feature)
+    return MetaWorldEnv(task, render, max_episode_steps=max_steps or EPISODE_LIMIT, state_feature=state_feature)
+
+
+def catalog() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """Every task with its instruction, and the suites."""
+    return TASK_DESCRIPTIONS, SUITES
 
 
 ENV_SPEC = EnvSpec("metaworld", make_env, resolve_tasks, task_description, camera_aliases=CAMERA_ALIASES,
-                   state_features=tuple(STATE_FEATURES))
+                   state_features=tuple(STATE_FEATURES), default_tasks=("demo",),
+                   default_cameras={"corner2": "corner2", "wrist": "gripperPOV"}, video_camera="corner2",
+                   experts="roboscale.sim.metaworld_experts:EXPERTS", catalog=catalog)

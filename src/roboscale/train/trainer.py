@@ -533,9 +533,11 @@ def check_eval_options(cfg: TrainConfig) -> None:
     from roboscale.sim.env import env_spec
 
     try:
-        env_spec(cfg.eval.env).resolve_tasks(cfg.eval.tasks)
+        spec = env_spec(cfg.eval.env)
+        spec.tasks_or_default(cfg.eval.tasks)
+        spec.parse_options(cfg.eval.env_options)
     except ConfigError as exc:
-        raise ConfigError(f"--eval.tasks / --eval.env: {exc}") from None
+        raise ConfigError(f"--eval.env / --eval.tasks / --eval.env_options: {exc}") from None
 
 
 def freeze(policy: torch.nn.Module, components: list[str]) -> None:

@@ -740,3 +740,19 @@ def test_loader_batches_from_a_lake_equal_those_from_the_raw_dataset(ray_session
             else:
                 assert list(lake_batch[key]) == list(value), key
     assert any(bool(b["action_is_pad"].any()) for b in from_lake)  # the window crossed episode edges somewhere
+
+
+def test_a_lerobot_06_dataset_builds_a_lake_of_what_policies_batch(ray_session, tmp_path: Path, caplog) -> None:
+    """LeRobot 0.6's language columns and depth-map videos stay in the source (named in a warning); the RGB cameras
+    and numeric columns go into the lake as from any v3.0 dataset."""
+    root = Path(__file__).resolve().parents[2] / "fixtures" / "lerobot-0.6-mini"
+    out = tmp_path / "lake"
+    with caplog.at_level("WARNING", logger="roboscale.data.lake.planning"):
+        build_lake(LakeConfig(sources=[str(root)], output=str(out), image_size=0, shard_frames=30))
+    assert any("observation.images.depth" in r.getMessage() and "language_events" in r.getMessage()
+               for r in caplog.records)
+    src = LakeSource(out, verify=True)
+    assert src.camera_keys == ["observation.images.corner", "observation.images.gripper"]
+    assert "language_persistent" not in src.features and "observation.images.depth" not in src.features
+    numeric = ["observation.state", "action", "frame_index", "timestamp"]
+    assert _assert_lake_equals_raw(src, {str(root): root}, src.camera_keys, numeric) == 4

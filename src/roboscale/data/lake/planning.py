@@ -10,6 +10,7 @@ episodes, lake index offsets, task mapping, image settings), which is how a rebu
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,14 @@ from roboscale.configs.lake import LakeConfig
 from roboscale.data.lake.format import LAKE_VERSION
 from roboscale.data.lake.staging import SourceHandle, stage_source
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot import language
+from roboscale.data.lerobot.depth import is_depth_map
 from roboscale.data.lerobot.reader import LeRobotDatasetMetadata
 from roboscale.data.lerobot.validate import bad_episodes, readable_or_raise
 from roboscale.errors import DatasetError
 from roboscale.utils.io import sha256_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,7 +79,7 @@ def _check_compatible(first: SourcePlan, other: SourcePlan, cameras: list[str], 
         raise DatasetError(path, f"fps {other.info.fps} differs from {first.handle.uri}'s {first.info.fps}",
                            field="fps")
     feats, ref = other.info.features, first.info.features
-    other_cams = [k for k, f in feats.items() if fmt.is_camera(f)]
+    other_cams = [k for k, f in feats.items() if fmt.is_camera(f) and not is_depth_map(f)]
     if sorted(other_cams) != sorted(cameras):
         raise DatasetError(path, f"cameras {other_cams} differ from {first.handle.uri}'s {cameras}",
                            field="features")
@@ -126,13 +131,19 @@ def lake_features(plans: Sequence[SourcePlan], cfg: LakeConfig) -> tuple[dict[st
                                                                           list[str]]:
     """The lake's feature schema (cameras at the lake resolution, HWC), camera keys and numeric keys."""
     first = plans[0].info.features
-    cameras = [k for k, f in first.items() if fmt.is_camera(f)]
-    numeric = [k for k, f in first.items() if not fmt.is_camera(f) and f["dtype"] != "string"]
+    # Language annotations and depth maps (LeRobot 0.6) stay in the source: a lake holds what policies batch
+    left_out = [k for k, f in first.items() if language.is_language(f) or is_depth_map(f)]
+    if left_out:
+        log.warning("lake %s: leaving out %s (language annotations and depth maps are read from the LeRobot "
+                    "dataset itself)", cfg.output, left_out)
+    cameras = [k for k, f in first.items() if fmt.is_camera(f) and k not in left_out]
+    numeric = [k for k, f in first.items()
+               if not fmt.is_camera(f) and f["dtype"] != "string" and k not in left_out]
     for plan in plans[1:]:
         _check_compatible(plans[0], plan, cameras, numeric, cfg.image_size == 0)
     features: dict[str, dict[str, Any]] = {}
     for key, ft in first.items():
-        if fmt.is_camera(ft):
+        if key in cameras:
             h, w, c = fmt.image_hwc(ft)
             side = (h, w) if cfg.image_size == 0 else (cfg.image_size, cfg.image_size)
             features[key] = {"dtype": ft["dtype"], "shape": [*side, c], "names": ["height", "width", "channels"],

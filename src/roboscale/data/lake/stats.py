@@ -7,8 +7,9 @@ histograms per camera channel. Pass 2 (Ray tasks over groups of shards, reading 
 frames) fills per-dimension histograms of ``stats_bins`` bins over the global [min, max] from pass 1; their sum
 gives q01..q99 within ``(max - min) / stats_bins`` of ``numpy.quantile`` of the pooled data
 (``manifest["stats_quantile_error"]``). Camera stats are over every pixel of the resized image (not the padding)
-and exact. LeRobot's ``stats.json`` quantiles are an envelope of per-episode quantiles, not quantiles of the
-dataset; the lake's are real quantiles.
+and exact. LeRobot's ``stats.json`` quantiles merge per-episode quantiles (a count-weighted mean in releases
+0.4.4-0.6.1, a min/max envelope on its main branch), neither a quantile of the dataset; the lake's are real
+quantiles.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The LeRobot v3.0 on-disk format: constants, feature helpers, the metadata files, data columns as numpy.
 
-Everything here mirrors what LeRobot 0.4.x writes (see ``tests/fixtures``, written by LeRobot itself):
+Everything here mirrors what LeRobot 0.4.x writes (see ``tests/fixtures``, written by LeRobot itself), and reads
+what 0.5/0.6 add to the same v3.0 format: ``language`` columns (``roboscale.data.lerobot.language``), depth-map
+videos (``roboscale.data.lerobot.depth``), ``tools`` in info.json, info.json keys in 0.6's order:
 ``meta/info.json`` (indent 4, no trailing newline), ``meta/tasks.parquet`` (a pandas-style table whose index
 column holds the task strings), ``meta/episodes/chunk-*/file-*.parquet`` and ``meta/stats.json``.
 Readers are lenient about what Hub datasets carry; writers emit exactly one layout.
@@ -21,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from roboscale.data.lerobot import language
 from roboscale.errors import DatasetError
 from roboscale.utils.io import atomic_path, atomic_write_bytes
 
@@ -61,7 +64,8 @@ QUANTILES: dict[str, float] = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.9
 
 CAMERA_DTYPES = ("video", "image")
 
-# info.json keys in the order LeRobot 0.4.x writes them; anything else is ignored on read (with a warning).
+# info.json keys in the order LeRobot 0.4.x writes them (0.6 writes fps and features first, robot_type, splits and
+# tools last; key order does not matter on read). Anything else is ignored on read, with one warning per file.
 _INFO_KEY_ORDER = (
     "codebase_version",
     "robot_type",
@@ -79,6 +83,7 @@ _INFO_KEY_ORDER = (
     "tools",
 )
 _VERSION_RE = re.compile(r"^v(\d+)\.(\d+)$")
+_WARNED_UNKNOWN: set[tuple[str, tuple[str, ...]]] = set()  # (info.json, its unknown keys) already warned about
 
 
 # --------------------------------------------------------------------------------------------------- features
@@ -120,8 +125,8 @@ def parquet_features(features: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def stats_features(features: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Features that get stats: every feature except strings."""
-    return [k for k, f in features.items() if f["dtype"] != "string"]
+    """Features that get stats: every feature except strings and language annotations (as LeRobot 0.6)."""
+    return [k for k, f in features.items() if f["dtype"] not in ("string", language.LANGUAGE_DTYPE)]
 
 
 def _list_field(value_type: pa.DataType) -> pa.Field:
@@ -131,13 +136,15 @@ def _list_field(value_type: pa.DataType) -> pa.Field:
 _IMAGE_STRUCT = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
 
 
-def arrow_type(feature: Mapping[str, Any]) -> pa.DataType:
+def arrow_type(feature: Mapping[str, Any], key: str = "") -> pa.DataType:
     """The Arrow type LeRobot (through HF ``datasets``) uses for a non-video feature's data column."""
     dtype = feature["dtype"]
     if dtype == "image":
         return _IMAGE_STRUCT
     if dtype == "string":
         return pa.string()
+    if dtype == language.LANGUAGE_DTYPE:
+        return language.arrow_type(key)
     value_type = pa.from_numpy_dtype(np.dtype(dtype))
     shape = tuple(int(s) for s in feature["shape"])
     if shape == (1,):
@@ -147,13 +154,15 @@ def arrow_type(feature: Mapping[str, Any]) -> pa.DataType:
     return value_type
 
 
-def hf_feature_json(feature: Mapping[str, Any]) -> dict[str, Any]:
+def hf_feature_json(feature: Mapping[str, Any], key: str = "") -> dict[str, Any]:
     """The HF ``datasets`` feature description stored in the data parquet's ``huggingface`` schema metadata."""
     dtype = feature["dtype"]
     if dtype == "image":
         return {"_type": "Image"}
     if dtype == "string":
         return {"dtype": "string", "_type": "Value"}
+    if dtype == language.LANGUAGE_DTYPE:
+        return language.hf_feature_json(key)
     shape = tuple(int(s) for s in feature["shape"])
     if shape == (1,):
         return {"dtype": dtype, "_type": "Value"}
@@ -164,9 +173,9 @@ def hf_feature_json(feature: Mapping[str, Any]) -> dict[str, Any]:
 
 def data_schema(features: Mapping[str, Mapping[str, Any]]) -> pa.Schema:
     keys = parquet_features(features)
-    hf = {"info": {"features": {k: hf_feature_json(features[k]) for k in keys}}}
+    hf = {"info": {"features": {k: hf_feature_json(features[k], k) for k in keys}}}
     return pa.schema(
-        [pa.field(k, arrow_type(features[k])) for k in keys], metadata={"huggingface": json.dumps(hf)}
+        [pa.field(k, arrow_type(features[k], k)) for k in keys], metadata={"huggingface": json.dumps(hf)}
     )
 
 
@@ -242,6 +251,9 @@ def _check_features(features: Any, path: Path) -> None:
                 image_hwc(ft)
             except ValueError as e:
                 raise DatasetError(path, str(e), field=key) from None
+        if language.is_language(ft) and key not in language.LANGUAGE_COLUMNS:
+            raise DatasetError(path, f"dtype 'language' is for the columns {list(language.LANGUAGE_COLUMNS)} only",
+                               field=key)
 
 
 def read_info(root: str | Path) -> DatasetInfo:
@@ -255,9 +267,10 @@ def read_info(root: str | Path) -> DatasetInfo:
     if not isinstance(raw, dict):
         raise DatasetError(path, "must be a JSON object")
     check_codebase_version(raw.get("codebase_version"), path)
-    unknown = sorted(set(raw) - set(_INFO_KEY_ORDER))
-    if unknown:
-        log.warning("%s: ignoring unknown keys %s", path, unknown)
+    unknown = tuple(sorted(set(raw) - set(_INFO_KEY_ORDER)))
+    if unknown and (str(path.resolve()), unknown) not in _WARNED_UNKNOWN:
+        _WARNED_UNKNOWN.add((str(path.resolve()), unknown))
+        log.warning("%s: ignoring unknown keys %s", path, list(unknown))
     fps = raw.get("fps")
     if isinstance(fps, float) and fps.is_integer():
         fps = int(fps)
@@ -419,12 +432,14 @@ def open_parquet(path: Path) -> pq.ParquetFile:
 
 def column_to_numpy(column: pa.ChunkedArray | pa.Array, feature: Mapping[str, Any], path: Path, key: str) -> Any:
     """A data column as numpy [N, *shape] in its stored dtype ([N] for scalar columns); images stay an Arrow
-    struct array of PNG bytes, strings become an object array."""
+    struct array of PNG bytes, strings become an object array, language columns an object array of row lists."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if feature["dtype"] == "image":
         return array
     if feature["dtype"] == "string":
         return np.array(array.to_pylist(), dtype=object)
+    if feature["dtype"] == language.LANGUAGE_DTYPE:
+        return language.column_to_rows(array)
     n, nested = len(array), False
     while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(
         array.type

@@ -3,7 +3,10 @@
 ``LeRobotDataset(root=...)[i]`` returns what LeRobot 0.4.x's ``LeRobotDataset`` returns: torch tensors with the
 dtypes ``hf_transform_to_torch`` produces (floats -> float32, ints -> int64, bools -> bool; shape-(1,) features as
 0-d tensors), cameras as float32 CHW in [0, 1], the ``task`` string, and with ``delta_timestamps`` a leading time
-dim plus ``<key>_is_pad`` (out-of-episode positions repeat the edge frame).
+dim plus ``<key>_is_pad`` (out-of-episode positions repeat the edge frame). LeRobot 0.6 additions come back as 0.6
+returns them: language columns as lists of row dicts (``roboscale.data.lerobot.language``), depth-map videos as
+float32 [1, H, W] in ``depth_unit`` (millimetres by default; ``roboscale.data.lerobot.depth``), untouched by
+``image_transforms``, their stats converted to that unit.
 
 The non-video parquet columns of the selected episodes are loaded once into numpy (images stay PNG bytes), so
 ``__getitem__`` is array indexing plus video decoding. ``read_episode`` / ``decode_episode_video`` are bulk paths
@@ -24,6 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot.depth import DEPTH_UNITS, MILLIMETRE, DepthQuantization, is_depth_map, rescale_depth_stats
 from roboscale.data.lerobot.video import decode_frames, decode_png, decode_range
 from roboscale.errors import DatasetError
 
@@ -110,6 +114,18 @@ class LeRobotDatasetMetadata:
     def camera_keys(self) -> list[str]:
         return [k for k, f in self.features.items() if f["dtype"] in fmt.CAMERA_DTYPES]
 
+    @property
+    def depth_keys(self) -> list[str]:
+        """Video features holding depth maps (LeRobot 0.6's ``is_depth_map``)."""
+        return [k for k in self.video_keys if is_depth_map(self.features[k])]
+
+    def depth_quantization(self, key: str) -> DepthQuantization:
+        """How depth feature ``key``'s codes map to distance; a DatasetError naming info.json and the feature."""
+        try:
+            return DepthQuantization.of(self.features[key])
+        except ValueError as e:
+            raise DatasetError(self.root / fmt.INFO_PATH, str(e), field=key) from None
+
     # ------------------------------------------------------------------ per episode
 
     def episode(self, ep: int) -> dict[str, Any]:
@@ -181,6 +197,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         revision: str | None = None,
         video_backend: str | None = None,
         return_uint8: bool = False,
+        depth_unit: str = MILLIMETRE,
     ):
         if root is None:
             if repo_id is None:
@@ -193,7 +210,14 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.image_transforms = image_transforms
         self.tolerance_s = tolerance_s
         self.return_uint8 = return_uint8
+        if depth_unit not in DEPTH_UNITS:
+            raise ValueError(f"depth_unit must be one of {list(DEPTH_UNITS)}, got {depth_unit!r}")
+        self.depth_unit = depth_unit
         self.meta = LeRobotDatasetMetadata(self.root)
+        self._depth = {key: self.meta.depth_quantization(key) for key in self.meta.depth_keys}
+        for key, quantization in self._depth.items():  # stats are in the recorded unit; items in depth_unit
+            if self.meta.stats is not None and key in self.meta.stats:
+                self.meta.stats[key] = rescale_depth_stats(self.meta.stats[key], quantization.unit, depth_unit)
         self.episodes = sorted({int(e) for e in episodes}) if episodes is not None else None
         selected = self.episodes if self.episodes is not None else [int(e) for e in self.meta.episodes["episode_index"]]
         if not selected:
@@ -355,7 +379,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             else:
                 frames = _decode_image(column, rows, channels, self.root, path)
             return self._camera_tensor(frames)
-        if ft["dtype"] == "string":
+        if ft["dtype"] in ("string", "language"):
             return column[rows].tolist() if isinstance(rows, np.ndarray) else column[rows]
         return torch.tensor(column[rows])
 
@@ -381,10 +405,13 @@ class LeRobotDataset(torch.utils.data.Dataset):
             rows = queries[key][0] if key in queries else np.array([idx])
             times = self._columns["timestamp"][rows].astype(np.float64) + from_timestamp
             try:
-                decoded = decode_frames(video_path, times, self.tolerance_s)
+                decoded = decode_frames(video_path, times, self.tolerance_s, depth=key in self._depth)
             except DatasetError as e:
                 raise fmt.locate_error(e, field=key, episode=int(self._selected[pos])) from None
-            frames = self._camera_tensor(decoded)
+            if key in self._depth:  # float32 [.., 1, H, W] in depth_unit, as LeRobot 0.6 returns depth
+                frames = torch.from_numpy(self._depth[key].dequantize(decoded, self.depth_unit)).movedim(-1, -3)
+            else:
+                frames = self._camera_tensor(decoded)
             item[key] = frames if key in queries else frames[0]
         for key in self._parquet_keys:
             try:
@@ -395,7 +422,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
             item[f"{key}_is_pad"] = pad
         if self.image_transforms is not None:
             for key in self.meta.camera_keys:
-                item[key] = self.image_transforms(item[key])
+                if key not in self._depth:  # colour transforms mean nothing to distances (LeRobot skips them too)
+                    item[key] = self.image_transforms(item[key])
         item["task"] = self.meta.task_list[int(self._columns["task_index"][idx])]
         return item
 
@@ -412,7 +440,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     def read_episode(self, ep: int) -> dict[str, np.ndarray]:
         """All data-parquet columns of episode ``ep`` as numpy in their stored dtypes ([N, *shape]; scalars [N];
-        image columns decoded to uint8 [N, H, W, C]), read from the episode's row group(s) only."""
+        image columns decoded to uint8 [N, H, W, C]; language columns object arrays of row lists), read from the
+        episode's row group(s) only."""
         row = self.meta.episode(ep)
         path = self.meta.data_path(ep)
         try:
@@ -444,15 +473,18 @@ class LeRobotDataset(torch.utils.data.Dataset):
         return out
 
     def decode_episode_video(self, ep: int, key: str) -> np.ndarray:
-        """uint8 [N, H, W, 3]: every frame of episode ``ep`` for camera ``key``, in one sequential decode."""
+        """uint8 [N, H, W, 3]: every frame of episode ``ep`` for camera ``key``, in one sequential decode (a depth map:
+        float32 [N, H, W, 1] in ``depth_unit``)."""
         if key not in self.meta.video_keys:
             raise KeyError(f"{key!r} is not a video feature; video keys: {self.meta.video_keys}")
         path = self.meta.video_path(ep, key)
         from_ts, to_ts = self.meta.video_span(ep, key)
         try:
-            frames = decode_range(path, from_ts, to_ts)
+            frames = decode_range(path, from_ts, to_ts, depth=key in self._depth)
         except DatasetError as e:
             raise fmt.locate_error(e, field=key, episode=ep) from None
+        if key in self._depth:
+            frames = self._depth[key].dequantize(frames, self.depth_unit)
         length = self.meta.episode(ep)["length"]
         if len(frames) != length:
             raise DatasetError(path, f"decoded {len(frames)} frames between {from_ts}s and {to_ts}s, the episode has "

@@ -10,11 +10,15 @@ Per episode (``compute_episode_stats``):
   ``count`` is the number of sampled frames.
 
 Aggregation (``aggregate_stats``): min of mins, max of maxes, count-weighted mean, pooled variance
-``Σ c_i (σ_i² + (μ_i − μ)²) / Σ c_i``, summed count. Quantiles cannot be merged from per-episode quantiles; we
-keep LeRobot's conservative envelope there (the min over episodes for q01/q10/q50, the max for q90/q99), which
-is what ``meta/stats.json`` of a LeRobot dataset holds. The envelope is **not a quantile** of the pooled data: the
-"q01" of a dataset is the q01 of its most extreme episode, so it drifts outward as episodes are added (see
-``tests/data/lerobot/test_stats.py::test_lerobot_envelope_is_not_a_quantile``).
+``Σ c_i (σ_i² + (μ_i − μ)²) / Σ c_i``, summed count. Quantiles cannot be merged exactly from per-episode
+quantiles, and LeRobot has used two rules: releases 0.4.4 to 0.6.1 average the per-episode quantiles weighted by
+their counts (what the ``meta/stats.json`` of datasets they wrote holds; ``tests/data/lerobot/test_lerobot_v06.py::
+test_lerobot_044_stats_json_weights_episode_quantiles_by_count`` checks it on the 0.4.4 fixture), its main branch
+(after 0.6.1) keeps a conservative envelope (the min over episodes for q01/q10/q50, the max for q90/q99). We keep
+the envelope, main's rule. Neither is a quantile of the pooled data: the envelope's "q01" is the q01 of the most
+extreme episode, so it drifts outward as episodes are added (see
+``tests/data/lerobot/test_stats.py::test_lerobot_envelope_is_not_a_quantile``); the weighted mean can miss the
+pooled quantile either way. The lake's stats (below) are real quantiles.
 
 Mergeable global stats (``Moments``, ``Histogram``, ``ByteHistogram``; used by ``roboscale.data.lake``) are the
 alternative when whole-dataset quantiles matter (pi0.5 normalizes with q01/q99):

@@ -34,6 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot import language
+from roboscale.data.lerobot.depth import DepthQuantization, is_depth_map
 from roboscale.data.lerobot.format import timestamp_problem
 from roboscale.data.lerobot.video import decode_frames, decode_png, frame_times
 from roboscale.errors import DatasetError
@@ -382,6 +384,12 @@ class _Checker:
         for fld in expected:
             if fld.name not in schema.names:
                 self.add(path, "column missing (declared in meta/info.json)", field=fld.name, episodes=episodes)
+            elif language.is_language(info.features[fld.name]):
+                problem = language.arrow_type_problem(schema.field(fld.name).type, fld.name)
+                if problem:
+                    self.add(path, problem, field=fld.name, episodes=episodes)
+                else:
+                    present.append(fld.name)
             elif not _type_compatible(schema.field(fld.name).type, fld.type):
                 self.add(path, f"column type {schema.field(fld.name).type} does not match meta/info.json "
                                f"({fld.type})", field=fld.name, episodes=episodes)
@@ -459,10 +467,21 @@ class _Checker:
             try:
                 if ft["dtype"] == "image":
                     self._images(path, table[key].combine_chunks(), fmt.image_hwc(ft), key, ep)
+                elif language.is_language(ft):
+                    self._language(path, fmt.column_to_numpy(table[key], ft, path, key), key, ep, info)
                 else:
                     fmt.column_to_numpy(table[key], ft, path, key)
             except DatasetError as e:
                 self.add(path, fmt.error_message(e), field=key, episode=ep)
+
+    def _language(self, path: Path, cells: np.ndarray, key: str, ep: int, info: fmt.DatasetInfo) -> None:
+        """Every annotation row has LeRobot's fields and types, sits in its style's column, and names a camera of
+        the dataset exactly when its style is view-dependent; one problem per episode (the first, and a count)."""
+        cameras = {k for k, f in info.features.items() if fmt.is_camera(f)}
+        found = [(i, p) for i, cell in enumerate(cells) for p in language.cell_problems(cell, key, cameras)]
+        if found:
+            (frame, first), more = found[0], len(found) - 1
+            self.add(path, f"frame {frame}, {first}" + (f" (and {more} more)" if more else ""), field=key, episode=ep)
 
     def _images(self, path: Path, column: pa.StructArray, hwc: tuple[int, int, int], key: str, ep: int) -> None:
         for i, data in enumerate(column.field("bytes").to_pylist()):
@@ -478,6 +497,8 @@ class _Checker:
 
     def _videos(self, info: fmt.DatasetInfo, eps: Mapping[str, Any]) -> None:
         for key in info.video_keys:
+            if is_depth_map(info.features[key]):
+                self._depth_info(key, info.features[key])
             columns = [f"videos/{key}/{s}" for s in _VIDEO_SUFFIXES]
             if any(c not in eps for c in columns):
                 continue  # reported with the episodes metadata
@@ -518,7 +539,8 @@ class _Checker:
                 if self.full:
                     self._video_span(path, key, ep, length, start, stop, info.fps)
                 else:  # the last frame: a truncated file fails here
-                    decode_frames(path, [start + (length - 1) / info.fps], self.tol)
+                    decode_frames(path, [start + (length - 1) / info.fps], self.tol,
+                                  depth=is_depth_map(info.features[key]))
             except DatasetError as e:
                 self.add(path, fmt.error_message(e), field=key, episode=ep)
 
@@ -535,6 +557,12 @@ class _Checker:
             k = int(off.argmax())
             self.add(path, f"frame {k} is at {times[k]:.6f}s, the reader looks for it at "
                            f"{start + k / fps:.6f}s (tolerance_s={self.tol})", field=key, episode=ep)
+
+    def _depth_info(self, key: str, feature: Mapping[str, Any]) -> None:
+        try:
+            DepthQuantization.of(feature)
+        except ValueError as e:
+            self.add(self.root / fmt.INFO_PATH, str(e), field=key)
 
     def _stream_matches_info(self, path: Path, key: str, feature: Mapping[str, Any]) -> None:
         try:
@@ -642,6 +670,7 @@ class DatasetSummary:
     chunks_size: int
     data_files_size_in_mb: Any
     video_files_size_in_mb: Any
+    tools: list[str] = field(default_factory=list)  # names of info.json's tool schemas (LeRobot 0.6)
 
     def lines(self, max_tasks: int = 20) -> list[str]:
         seconds = self.total_frames / self.fps
@@ -663,6 +692,8 @@ class DatasetSummary:
         out.append(f"    {'total':40s} {_size(sum(self.bytes_by_part.values())):>10s}")
         out.append(f"  stats: {'with' if self.quantile_stats else 'WITHOUT'} q01/q99 quantiles"
                    + ("" if self.quantile_stats else " (pi0.5 QUANTILES normalization needs them)"))
+        if self.tools:
+            out.append(f"  tools: {', '.join(self.tools)}")
         out.append("  tasks:")
         for i, task in enumerate(self.tasks[:max_tasks]):
             out.append(f"    {i}: {task}")
@@ -687,7 +718,29 @@ def _codec_summary(feature: Mapping[str, Any]) -> str:
     parts = [str(video[k]) for k in ("video.codec", "video.pix_fmt") if video.get(k) is not None]
     if video.get("video.g") is not None:
         parts.append(f"g={video['video.g']}")
+    if is_depth_map(feature):
+        try:
+            q = DepthQuantization.of(feature)
+            parts.append(f"depth map: {'log' if q.use_log else 'linear'} 12-bit, {q.depth_min:g}-{q.depth_max:g} m, "
+                         f"recorded in {q.unit or 'an unrecorded unit'}")
+        except ValueError as e:
+            parts.append(f"depth map with bad settings: {e}")
     return " ".join(parts)
+
+
+def _language_summary(root: Path, key: str, info: fmt.DatasetInfo) -> str:
+    """What a language column holds, from the parquet footer alone: its row fields."""
+    files = sorted((root / "data").glob("*/*.parquet"))[:1]
+    if not files:
+        return "annotations"
+    try:
+        schema = fmt.read_parquet_schema(files[0])
+    except DatasetError:
+        return "annotations (data file unreadable)"
+    if key not in schema.names:
+        return "annotations (column missing)"
+    return "annotations" + (f": {problem}" if (problem := language.arrow_type_problem(
+        schema.field(key).type, key)) else f", rows of {', '.join(language.fields_of(key))}")
 
 
 def _duration(seconds: float) -> str:
@@ -732,15 +785,17 @@ def summarize(root: str | Path) -> DatasetSummary:
     stats = fmt.read_stats(root) or {}
     features = [
         FeatureSummary(key, ft["dtype"], list(ft["shape"]), _names_summary(ft.get("names")),
-                       _codec_summary(ft) if ft["dtype"] == "video" else "")
+                       _codec_summary(ft) if ft["dtype"] == "video" else
+                       _language_summary(root, key, info) if language.is_language(ft) else "")
         for key, ft in info.features.items()
     ]
-    numeric = [k for k, f in info.features.items() if not fmt.is_camera(f) and f["dtype"] != "string"]
+    numeric = [k for k in fmt.stats_features(info.features) if not fmt.is_camera(info.features[k])]
     quantiles = bool(numeric) and all("q01" in stats.get(k, {}) and "q99" in stats.get(k, {}) for k in numeric)
     sizes, counts = _disk_usage(root, info.video_keys)
+    tools = [str((t.get("function") or {}).get("name", "?")) if isinstance(t, dict) else "?" for t in info.tools or []]
     return DatasetSummary(root, info.codebase_version, info.fps, info.robot_type, info.total_episodes,
                           info.total_frames, tasks, features, lengths, sizes, counts, quantiles, info.chunks_size,
-                          info.data_files_size_in_mb, info.video_files_size_in_mb)
+                          info.data_files_size_in_mb, info.video_files_size_in_mb, tools)
 
 
 __all__ = ["DatasetSummary", "Problem", "Report", "bad_episodes", "printable", "summarize", "timestamp_problem",

@@ -10,6 +10,8 @@ fork-safe, a replaced file is opened afresh), the items of one episode reading t
 its own decoder threads (the reader is not a loader worker). ``decode_frames`` does what LeRobot's PyAV
 backend does (seek to the keyframe at or before the first query, decode forward, keep the nearest frame per query,
 check it is within ``tolerance_s``); ``decode_range`` decodes a contiguous span (a whole episode) in one pass.
+Both return uint8 RGB, or with ``depth=True`` the 12-bit codes of a LeRobot 0.6 depth map (``gray12le`` HEVC) as
+uint16 [N, H, W, 1], which ``roboscale.data.lerobot.depth`` turns into distances.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import av
 import numpy as np
 
+from roboscale.data.lerobot.depth import DEPTH_PIX_FMT
 from roboscale.data.loading.decode import DecoderPool
 from roboscale.errors import DatasetError
 
@@ -227,14 +230,22 @@ def _decode_from(container: av.container.InputContainer, stream: av.VideoStream,
     return decoded
 
 
-def decode_frames(path: str | Path, timestamps: list[float] | np.ndarray, tolerance_s: float) -> np.ndarray:
-    """uint8 [N,H,W,3]: for each query time (seconds in the file) the nearest frame, which must be within
-    ``tolerance_s``."""
+def _pixels(frame: av.VideoFrame, depth: bool) -> np.ndarray:
+    """uint8 HxWx3 RGB, or uint16 HxWx1 12-bit codes of a depth stream."""
+    if depth:
+        return frame.to_ndarray(format=DEPTH_PIX_FMT)[:, :, None]
+    return frame.to_ndarray(format="rgb24")
+
+
+def decode_frames(path: str | Path, timestamps: list[float] | np.ndarray, tolerance_s: float, *,
+                  depth: bool = False) -> np.ndarray:
+    """uint8 [N,H,W,3] (``depth``: uint16 codes [N,H,W,1]): for each query time (seconds in the file) the nearest
+    frame, which must be within ``tolerance_s``."""
     queries = np.asarray(timestamps, dtype=np.float64).reshape(-1)
 
     def work(container: av.container.InputContainer, stream: av.VideoStream) -> np.ndarray:
         if queries.size == 0:
-            return np.zeros((0, stream.height, stream.width, 3), dtype=np.uint8)
+            return np.zeros((0, stream.height, stream.width, 1 if depth else 3), dtype=np.uint16 if depth else np.uint8)
         decoded = _frames_between(container, stream, float(queries.min()), float(queries.max()))
         if not decoded:
             raise DatasetError(path, f"no frames decoded at or after {queries.min():.6f}s")
@@ -248,20 +259,21 @@ def decode_frames(path: str | Path, timestamps: list[float] | np.ndarray, tolera
                 f"no frame within tolerance_s={tolerance_s} of timestamp {queries[bad]:.6f}s (nearest decoded frame "
                 f"at {times[nearest[bad]]:.6f}s); the video is shorter than the data or timestamps are off",
             )
-        rgb = {int(i): decoded[i][1].to_ndarray(format="rgb24") for i in np.unique(nearest)}
-        return np.stack([rgb[int(i)] for i in nearest])
+        pixels = {int(i): _pixels(decoded[i][1], depth) for i in np.unique(nearest)}
+        return np.stack([pixels[int(i)] for i in nearest])
 
     return _DECODERS.run(path, work)
 
 
-def decode_range(path: str | Path, from_ts: float, to_ts: float) -> np.ndarray:
-    """uint8 [N,H,W,3]: every frame with ``from_ts <= time < to_ts`` (half a frame of slack on both ends)."""
+def decode_range(path: str | Path, from_ts: float, to_ts: float, *, depth: bool = False) -> np.ndarray:
+    """uint8 [N,H,W,3] (``depth``: uint16 codes [N,H,W,1]): every frame with ``from_ts <= time < to_ts`` (half a
+    frame of slack on both ends)."""
 
     def work(container: av.container.InputContainer, stream: av.VideoStream) -> np.ndarray:
         rate = stream.average_rate or stream.guessed_rate
         half = 0.5 / float(rate) if rate else 1e-4
         decoded = _frames_between(container, stream, from_ts, to_ts - half)
-        frames = [f.to_ndarray(format="rgb24") for t, f in decoded if from_ts - half <= t < to_ts - half]
+        frames = [_pixels(f, depth) for t, f in decoded if from_ts - half <= t < to_ts - half]
         if not frames:
             raise DatasetError(path, f"no frames decoded between {from_ts:.6f}s and {to_ts:.6f}s")
         return np.stack(frames)

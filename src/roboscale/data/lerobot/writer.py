@@ -8,6 +8,10 @@ Differences on purpose:
   every file is fsynced, so an interrupted run never leaves a dataset that looks complete.
 
 An episode's frames are buffered in memory until ``save_episode`` (LeRobot stages them as PNG files instead).
+
+LeRobot 0.6's additions: the language columns (``language_persistent`` / ``language_events``, each frame a list of
+row dicts; written with LeRobot's types, no stats) and info.json's ``tools``. Video info carries 0.6's encoder
+keys and ``is_depth_map`` (plus 0.4.x's ``video.is_depth_map``). Depth-map videos are read, not written.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot import language
+from roboscale.data.lerobot.depth import is_depth_map
 from roboscale.data.lerobot.stats import Stats, aggregate_stats, compute_episode_stats
 from roboscale.data.lerobot.video import VideoStreamWriter, available_codec, canonical_codec_name, encode_png
 from roboscale.errors import DatasetError
@@ -162,7 +168,15 @@ def _check_user_features(root: Path, features: Mapping[str, Mapping[str, Any]]) 
             isinstance(s, (int, np.integer)) and s > 0 for s in shape
         ):
             raise DatasetError(root, f"shape must be a non-empty list of positive ints, got {shape!r}", field=key)
+        if dtype == language.LANGUAGE_DTYPE:
+            if key not in language.LANGUAGE_COLUMNS or list(shape) != [1]:
+                raise DatasetError(root, f"dtype 'language' is for the columns {list(language.LANGUAGE_COLUMNS)} "
+                                         "with shape [1]", field=key)
+            continue
         if dtype in fmt.CAMERA_DTYPES:
+            if is_depth_map(ft):
+                raise DatasetError(root, "depth-map videos (LeRobot 0.6's is_depth_map) are read, not written, by "
+                                         "roboscale", field=key)
             try:
                 channels = fmt.image_hwc(ft)[2]
             except ValueError as e:
@@ -217,6 +231,20 @@ def _conform_numeric(value: Any, dtype: np.dtype, shape: tuple[int, ...], batche
     return array.astype(dtype, copy=False).reshape((*lead, *shape))
 
 
+def _conform_language(value: Any, key: str, cameras: set[str], batched: bool, err: _Err) -> Any:
+    """One frame's list of annotation rows (None: none), checked as ``data validate`` checks them; batched: an
+    object array of such lists."""
+    cells = list(value) if batched else [value]
+    for i, cell in enumerate(cells):
+        problems = language.cell_problems(cell, key, cameras)
+        if problems:
+            raise err((f"frame {i}: " if batched else "") + problems[0])
+    out = np.empty(len(cells), dtype=object)
+    for i, cell in enumerate(cells):
+        out[i] = [dict(row) for row in (cell or [])]
+    return out if batched else out[0]
+
+
 def _conform_string(value: Any, batched: bool, err: _Err) -> Any:
     values = list(value) if batched else [value]
     if not all(isinstance(v, str) for v in values):
@@ -246,6 +274,16 @@ def _image_column(frames: np.ndarray) -> pa.Array:
     return pa.StructArray.from_arrays([pngs, paths], names=["bytes", "path"])
 
 
+def _stacked(values: list[Any], feature: Mapping[str, Any]) -> np.ndarray:
+    """Buffered frames of one feature as [N, ...]; strings and annotation lists as object arrays [N]."""
+    if feature["dtype"] not in ("string", language.LANGUAGE_DTYPE):
+        return np.stack(values)
+    out = np.empty(len(values), dtype=object)  # np.array would turn equal-length lists into a 2-D array
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
@@ -273,6 +311,7 @@ class DatasetWriter:
         self.info = info
         self.features = info.features
         self._user_keys = [k for k in self.features if k not in fmt.DEFAULT_FEATURES]
+        self._camera_keys = {k for k, f in self.features.items() if fmt.is_camera(f)}
         self._schema = fmt.data_schema(self.features)
         self._episodes_schema = fmt.episodes_schema(self.features)
         self._data = _ParquetShards(staging, info.data_path, self._schema, info.data_files_size_in_mb,
@@ -311,8 +350,10 @@ class DatasetWriter:
         crf: int = 30,
         preset: int = 12,
         fast_decode: int = 0,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> DatasetWriter:
-        """``features`` is a LeRobot features dict without the five default features (the writer adds them)."""
+        """``features`` is a LeRobot features dict without the five default features (the writer adds them);
+        ``tools``: OpenAI-style tool schemas for info.json (LeRobot 0.6's ``tools``)."""
         root = Path(root).absolute()
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             raise DatasetError(root, "already exists and is not empty; choose a new dataset root")
@@ -329,6 +370,7 @@ class DatasetWriter:
             fps=int(fps), features=all_features, robot_type=robot_type, chunks_size=chunks_size,
             data_files_size_in_mb=data_files_size_in_mb, video_files_size_in_mb=video_files_size_in_mb,
             video_path=fmt.DEFAULT_VIDEO_PATH if has_video else None,
+            tools=[dict(t) for t in tools] if tools is not None else None,
         )
         for stale in remove_stale_temporaries(root.parent, [root.name]):  # of a writer that was killed
             log.info("removed %s, left by a writer that did not finish", stale)
@@ -372,6 +414,8 @@ class DatasetWriter:
             return _conform_camera(value, fmt.image_hwc(ft), batched, err)
         if ft["dtype"] == "string":
             return _conform_string(value, batched, err)
+        if language.is_language(ft):
+            return _conform_language(value, key, self._camera_keys, batched, err)
         return _conform_numeric(value, np.dtype(ft["dtype"]), fmt.feature_shape(ft), batched, err)
 
     def _check_keys(self, given: set[str], expect_task: bool) -> None:
@@ -402,10 +446,7 @@ class DatasetWriter:
         self._check_open()
         if not self._buffer_tasks:
             raise DatasetError(self.root, "save_episode() with no buffered frames", episode=self.num_episodes)
-        episode = {
-            key: (np.array(values, dtype=object) if self.features[key]["dtype"] == "string" else np.stack(values))
-            for key, values in self._buffer.items()
-        }
+        episode = {key: _stacked(values, self.features[key]) for key, values in self._buffer.items()}
         tasks = self._buffer_tasks
         self.clear_episode_buffer()
         return self._write_episode(episode, tasks)
@@ -449,6 +490,8 @@ class DatasetWriter:
                 columns.append(_image_column(values))
             elif ft["dtype"] == "string":
                 columns.append(pa.array(list(values), pa.string()))
+            elif language.is_language(ft):
+                columns.append(language.language_array(list(values), field.name))
             else:
                 columns.append(_numeric_column(values, field.type))
         return pa.Table.from_arrays(columns, schema=self._schema)

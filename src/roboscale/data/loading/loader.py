@@ -46,9 +46,12 @@ import numpy as np
 import torch
 
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot.depth import is_depth_map
+from roboscale.data.lerobot.language import LANGUAGE_DTYPE
 from roboscale.data.lerobot.validate import readable_or_raise
 from roboscale.data.loading.index import SampleIndex
 from roboscale.data.loading.plan import EpochOrder, EpochPlan, sample_seeds
+from roboscale.data.loading.raw_source import DEPTH_REFUSED
 from roboscale.data.loading.source import FrameSource, open_source
 from roboscale.data.loading.transport import Arena, InArena, has_refs, take
 from roboscale.data.loading.worker import (
@@ -547,9 +550,13 @@ def build_loader(
     for s, n in zip(sources, names, strict=True):
         if float(s.fps) != fps:
             raise ConfigError(f"mixture sources must share one fps: {names[0]} has {fps}, {n} has {s.fps}")
-    if keys is None:
-        keys = [k for k, f in first.features.items() if f.get("dtype") != "string"]
+    if keys is None:  # what a policy can batch: no strings, language annotations or depth maps unless asked for
+        keys = [k for k, f in first.features.items()
+                if f.get("dtype") not in ("string", LANGUAGE_DTYPE) and not is_depth_map(f)]
     keys = list(dict.fromkeys(keys))
+    depth = [k for k in keys if k in first.features and is_depth_map(first.features[k])]
+    if depth:
+        raise ConfigError(f"{names[0]}: feature {depth[0]!r} {DEPTH_REFUSED}")
     for s, n in zip(sources, names, strict=True):
         missing = [k for k in keys if k not in s.features]
         if missing:

@@ -6,9 +6,10 @@ The same for a raw dataset, a lake or a mixture, so the model side never opens a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from roboscale.data.lerobot.depth import is_depth_map
 from roboscale.data.lerobot.stats import aggregate_stats
 from roboscale.data.loading.source import FrameSource
 
@@ -23,6 +24,7 @@ class SourceMeta:
     camera_keys: list[str]
     task_list: list[str]
     stats: dict[str, Any] | None
+    depth_keys: list[str] = field(default_factory=list)  # cameras holding depth maps (LeRobot 0.6), not RGB
 
 
 def source_meta(sources: Sequence[FrameSource], names: Sequence[str]) -> SourceMeta:
@@ -34,4 +36,5 @@ def source_meta(sources: Sequence[FrameSource], names: Sequence[str]) -> SourceM
         common = set.intersection(*(set(s.stats) for s in sources))
         stats = aggregate_stats([{k: s.stats[k] for k in common} for s in sources])
     return SourceMeta(root=", ".join(names), features=dict(first.features), fps=float(first.fps),
-                      camera_keys=list(first.camera_keys), task_list=tasks, stats=stats)
+                      camera_keys=list(first.camera_keys), task_list=tasks, stats=stats,
+                      depth_keys=[k for k in first.camera_keys if is_depth_map(first.features[k])])

@@ -29,9 +29,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot.depth import is_depth_map
 from roboscale.data.lerobot.video import decode_png
 from roboscale.data.loading.decode import DecoderPool
 from roboscale.errors import DatasetError
+
+DEPTH_REFUSED = ("is a depth map (12-bit gray12le, LeRobot 0.6's is_depth_map); the loader hands cameras to policies "
+                 "as uint8 RGB and cannot take it: leave it out of the keys (policy.image_keys)")
 
 
 class RawSource:
@@ -56,6 +60,7 @@ class RawSource:
         self.features: dict[str, dict[str, Any]] = info.features
         self.camera_keys = [k for k, f in self.features.items() if fmt.is_camera(f)]
         self.video_keys = [k for k, f in self.features.items() if f["dtype"] == "video"]
+        self.depth_keys = [k for k in self.video_keys if is_depth_map(self.features[k])]
         self.tasks = fmt.read_tasks(self.root)
         self.stats = fmt.read_stats(self.root)
         self._parquet_keys = fmt.parquet_features(self.features)
@@ -133,6 +138,9 @@ class RawSource:
         unknown = [k for k in keys if k not in self.features]
         if unknown:
             raise KeyError(f"{unknown[0]!r} is not a feature of {self.root}; features: {list(self.features)}")
+        depth = [k for k in keys if k in self.depth_keys]
+        if depth:
+            raise DatasetError(self.root / fmt.INFO_PATH, DEPTH_REFUSED, field=depth[0])
         columns = self._episode_columns(episode)
         out: dict[str, np.ndarray] = {}
         videos = [k for k in keys if k in self._video_file]

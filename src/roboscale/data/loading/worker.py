@@ -263,6 +263,11 @@ class BatchDataset(torch.utils.data.Dataset):
             else:
                 rows = block.lut[key][block.lut_start[key][slot].reshape(-1, *([1] * (wanted.ndim - 1))) + clamped]
                 values = block.values[key][rows]
+                if values.dtype == object:  # language annotations: per sample a list of row dicts, as LeRobot
+                    out[key] = values.tolist()
+                    if offsets is not None:
+                        out[f"{key}_is_pad"] = torch.from_numpy((wanted < 0) | (wanted >= length))
+                    continue
                 if values.dtype.kind in _ITEM_DTYPE:
                     values = values.astype(_ITEM_DTYPE[values.dtype.kind], copy=False)
                 out[key] = torch.from_numpy(values)

@@ -1,0 +1,128 @@
+"""Scripted pick-and-place experts for LIBERO's ``libero_object`` and ``libero_spatial`` tasks, with privileged state.
+
+Both suites' goals are one ``(In obj region)`` or ``(On obj target)`` predicate: pick ``obj`` up, put it in or on
+``target``. The expert reads the object poses from the simulator (never shown to policies) and drives the
+end-effector with OSC_POSE position deltas through fixed phases: above the object, down, close, lift, above the
+target, down, open. Actions saturate at 1 (robosuite's 5 cm a step); the orientation is held.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from roboscale.errors import ConfigError
+from roboscale.sim.experts import Expert, ExpertSpec
+from roboscale.sim.libero import ACTION_DIM, FPS, STATE_DIM, LiberoEnv
+
+GAIN = 20.0  # metres -> action units: 1 is 5 cm a step, so an error of 5 cm saturates
+CLEARANCE = 0.12  # approach height above the object
+CARRY = 0.30  # travel height above the target: a held object clears the basket's rim
+PLACE = 0.15  # release height above the target
+CLOSE_STEPS = 12
+OPEN_STEPS = 15
+STALL_STEPS = 4
+ALIGNED = 0.004  # how well the hand is centred over the object before it descends
+
+
+def observation_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict]:
+    features: dict[str, dict] = {
+        f"observation.images.{name}": {"dtype": "video", "shape": [image_size, image_size, 3],
+                                       "names": ["height", "width", "channels"]}
+        for name in cameras
+    }
+    features["observation.state"] = {"dtype": "float32", "shape": [STATE_DIM],
+                                     "names": ["x", "y", "z", "ax", "ay", "az", "gripper_l", "gripper_r"]}
+    return features
+
+
+class PickPlace:
+    """The phases of one pick-and-place; ``__call__`` is the next action for an observation."""
+
+    def __init__(self, env: LiberoEnv):
+        goal = env._env.env.parsed_problem["goal_state"]
+        if len(goal) != 1 or goal[0][0].lower() not in ("in", "on"):
+            raise ConfigError(f"LIBERO task {env.task}: no scripted expert for the goal {goal} (experts handle one "
+                              "In/On predicate: libero_object and libero_spatial)")
+        _, self.obj, target = goal[0]
+        self.env = env
+        self.target_body = self._body_of(target)
+        self.phase, self.count = "above_object", 0
+        self.target: np.ndarray | None = None
+        self.last_z, self.pushed_down = np.inf, False
+
+    def _body_of(self, name: str) -> str:
+        """A goal names a region (``basket_1_contain_region``) or an object (``plate_1``): its body."""
+        bodies = {self.env._model.body(i).name for i in range(self.env._model.nbody)}
+        for candidate in (f"{name}_main", name, f"{name.removesuffix('_contain_region')}_main"):
+            if candidate in bodies:
+                return candidate
+        raise ConfigError(f"LIBERO task {self.env.task}: no body for the goal's {name!r}")
+
+    def __call__(self, observation: dict[str, Any]) -> np.ndarray:
+        raw = observation["privileged"]
+        eef = raw["robot0_eef_pos"]
+        obj = raw[f"{self.obj}_pos"]
+        if self.target is None or self.phase in ("above_object", "down", "close"):
+            self.target = self.env.object_position(self.target_body)  # fixed once the object is held
+        target = self.target
+        grip = -1.0
+        if self.phase == "above_object":
+            goal = obj + [0, 0, CLEARANCE]
+            if np.linalg.norm((goal - eef)[:2]) < ALIGNED and abs(goal[2] - eef[2]) < 0.02:
+                self.phase = "down"
+        if self.phase == "down":
+            goal = obj + [0, 0, 0.01]
+            descending = np.linalg.norm((goal - eef)[:2]) <= 2 * ALIGNED
+            if not descending:  # the hand drifted: centre it before going lower
+                goal[2] = eef[2]
+            # the fingers rest on the object's top or the table: grasp where the hand stopped going down
+            stalled = descending and self.last_z - eef[2] < 0.001 and self.pushed_down
+            self.count = self.count + 1 if stalled else 0
+            self.last_z, self.pushed_down = eef[2], descending
+            if np.linalg.norm(goal - eef) < 0.01 or self.count >= STALL_STEPS:
+                self.phase, self.count = "close", 0
+        if self.phase == "close":
+            goal, grip = eef.copy(), 1.0
+            self.count += 1
+            if self.count >= CLOSE_STEPS:
+                self.phase = "lift"
+        if self.phase == "lift":
+            goal, grip = np.array([eef[0], eef[1], target[2] + CARRY]), 1.0
+            if eef[2] > goal[2] - 0.02:
+                self.phase = "above_target"
+        if self.phase == "above_target":
+            goal, grip = np.array([target[0], target[1], target[2] + CARRY]), 1.0
+            if np.linalg.norm((goal - eef)[:2]) < 0.015:
+                self.phase = "lower"
+        if self.phase == "lower":
+            goal, grip = np.array([target[0], target[1], target[2] + PLACE]), 1.0
+            if eef[2] < goal[2] + 0.015:
+                self.phase, self.count = "release", 0
+        if self.phase == "release":
+            goal, grip = eef.copy(), -1.0
+            self.count += 1
+            if self.count >= OPEN_STEPS:
+                self.phase = "retreat"
+        if self.phase == "retreat":
+            goal, grip = np.array([eef[0], eef[1], target[2] + CARRY]), -1.0
+        action = np.zeros(ACTION_DIM, dtype=np.float32)
+        action[:3] = np.clip(GAIN * (goal - eef), -1.0, 1.0)
+        if self.phase == "down":
+            action[2] = max(action[2], -0.5)  # a slower descent: the hand drifts sideways less
+        action[6] = grip
+        return action
+
+
+def expert(env: LiberoEnv) -> Expert:
+    return PickPlace(env)
+
+
+def frame(observation: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {"observation.state": observation["state"]}
+
+
+EXPERTS = ExpertSpec(fps=FPS, robot_type="panda", observation_features=observation_features,
+                     action_names=("dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"), expert=expert,
+                     frame=frame, max_steps=280)

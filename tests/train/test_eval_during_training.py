@@ -265,7 +265,10 @@ def test_an_unknown_eval_task_is_refused_before_training_starts(tiny_dataset, tm
     out = tmp_path / "run"
     cfg = eval_config(tiny_dataset, out, steps=2)
     cfg.eval.tasks = ["reach", "reachh"]
-    with pytest.raises(ConfigError, match="--eval.tasks / --eval.env: unknown MetaWorld task 'reachh'"):
+    with pytest.raises(ConfigError, match="--eval.tasks: unknown MetaWorld task 'reachh'"):
+        Trainer(cfg, progress=False).fit()
+    cfg.eval.tasks, cfg.eval.env_options = ["reach"], {"settle_steps": 3}
+    with pytest.raises(ConfigError, match=r"--eval.env_options: the metaworld environment takes no options"):
         Trainer(cfg, progress=False).fit()
     assert not (out / "checkpoints").exists()
 

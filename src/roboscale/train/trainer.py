@@ -534,10 +534,16 @@ def check_eval_options(cfg: TrainConfig) -> None:
 
     try:
         spec = env_spec(cfg.eval.env)
-        spec.tasks_or_default(cfg.eval.tasks)
-        spec.parse_options(cfg.eval.env_options)
     except ConfigError as exc:
-        raise ConfigError(f"--eval.env / --eval.tasks / --eval.env_options: {exc}") from None
+        raise ConfigError(f"--eval.env: {exc}") from None
+    try:
+        spec.tasks_or_default(cfg.eval.tasks)
+    except ConfigError as exc:
+        raise ConfigError(f"--eval.tasks: {exc}") from None
+    try:
+        spec.parse_options(cfg.eval.env_options)
+    except ConfigError as exc:  # its message names --env_options.NAME: here, --eval.env_options.NAME
+        raise ConfigError(str(exc).replace("--env_options", "--eval.env_options")) from None
 
 
 def freeze(policy: torch.nn.Module, components: list[str]) -> None:

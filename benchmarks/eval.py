@@ -13,6 +13,7 @@ table: each design's batch sizes and why its batches went (``rollout.batcher``),
 
     .venv/bin/python benchmarks/eval.py                        # demo-size pi0.5, demo tasks; ~40 min on 2 cores
     .venv/bin/python benchmarks/eval.py --rounds 1 --episodes 2 --max-steps 20 --policy-preset tiny  # a quick check
+    .venv/bin/python benchmarks/eval.py --env libero --tasks libero_object   # LIBERO, its cameras and state
 """
 
 from __future__ import annotations
@@ -31,24 +32,24 @@ from roboscale.configs.rollout import RolloutConfig
 from roboscale.models.registry import build_policy, preset_config
 from roboscale.rollout.engine import EnvSetup, RolloutEngine, RolloutStats
 from roboscale.rollout.episode import EpisodeJob
-from roboscale.sim.env import episode_seed
-from roboscale.sim.metaworld import CAMERA_ALIASES, FPS, resolve_tasks, task_description
-
-CAMERAS = ["observation.images.corner2", "observation.images.wrist"]
+from roboscale.sim.env import EnvSpec, env_spec, episode_seed
+from roboscale.sim.experts import expert_spec
 
 
-def demo_checkpoint(directory: Path, preset: str, tasks: list[str]) -> Path:
-    """An untrained policy with MetaWorld's features (its actions are as costly to compute as a trained one's;
-    every episode runs to max_steps, the most work per episode)."""
-    ones, zeros = np.ones(4), np.zeros(4)
-    stats = {key: {"q01": -ones, "q99": ones, "mean": zeros, "std": ones, "min": -ones, "max": ones}
-             for key in ("observation.state", "action")}
+def demo_checkpoint(directory: Path, preset: str, spec: EnvSpec, tasks: list[str]) -> Path:
+    """An untrained policy with the features of the env's demonstrations (its actions are as costly to compute as
+    a trained one's; every episode runs to max_steps, the most work per episode)."""
     cfg = preset_config("pi05", preset)
     size = cfg.image_size
-    features = {"observation.state": {"shape": [4]}, "action": {"shape": [4]},
-                **{k: {"dtype": "video", "shape": [size, size, 3]} for k in CAMERAS}}
-    meta = SimpleNamespace(root="<benchmark>", features=features, camera_keys=list(CAMERAS), fps=FPS,
-                           task_list=[task_description(t) for t in tasks], stats=stats)
+    demo_features = expert_spec(spec).dataset_features(size, spec.default_cameras)
+    cameras = [key for key, f in demo_features.items() if f["dtype"] == "video"]
+    features = {key: {"shape": demo_features[key]["shape"]} for key in ("observation.state", "action")}
+    features.update({k: {"dtype": "video", "shape": [size, size, 3]} for k in cameras})
+    stats = {key: {"q01": -np.ones(f["shape"]), "q99": np.ones(f["shape"]), "mean": np.zeros(f["shape"]),
+                   "std": np.ones(f["shape"]), "min": -np.ones(f["shape"]), "max": np.ones(f["shape"])}
+             for key, f in features.items() if key in ("observation.state", "action")}
+    meta = SimpleNamespace(root="<benchmark>", features=features, camera_keys=cameras,
+                           fps=expert_spec(spec).fps, task_list=[spec.instruction(t) for t in tasks], stats=stats)
     policy = build_policy(cfg, meta)
     path = directory / "pretrained_model"
     policy.save_pretrained(path)
@@ -88,7 +89,8 @@ def load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="demo")
+    parser.add_argument("--env", default="metaworld")
+    parser.add_argument("--tasks", default="", help="tasks or suites (default: the env's default)")
     parser.add_argument("--episodes", type=int, default=10, help="episodes per task")
     parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--workers", type=int, default=2)
@@ -96,19 +98,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="every design once per round")
     parser.add_argument("--policy-preset", default="demo")
     args = parser.parse_args()
-    tasks = resolve_tasks(args.tasks)
+    spec = env_spec(args.env)
+    tasks = spec.tasks_or_default([t for t in args.tasks.split(",") if t])
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = demo_checkpoint(Path(tmp), args.policy_preset, tasks)
+        checkpoint = demo_checkpoint(Path(tmp), args.policy_preset, spec, tasks)
         from roboscale.models.policy import Policy
 
         policy_cfg = Policy.from_pretrained(checkpoint).config
-        cameras = {n.removeprefix("observation.images."): CAMERA_ALIASES.get(n.removeprefix("observation.images."), n)
-                   for n in CAMERAS}
-        setup = EnvSetup("metaworld", str(checkpoint), policy_cfg.n_action_steps,
-                         {"image_size": policy_cfg.image_size, "cameras": cameras, "max_steps": args.max_steps})
+        cameras = spec.sim_cameras([key.removeprefix("observation.images.") for key in policy_cfg.image_keys])
+        setup = EnvSetup(args.env, str(checkpoint), policy_cfg.n_action_steps,
+                         {"image_size": policy_cfg.image_size, "cameras": cameras, "max_steps": args.max_steps,
+                          "options": spec.parse_options({})})
         jobs = [EpisodeJob(t, i, episode_seed(1000, t, i)) for t in tasks for i in range(args.episodes)]
-        print(f"{len(jobs)} episodes ({', '.join(tasks)}), max {args.max_steps} steps, pi0.5 {args.policy_preset} "
-              f"({policy_cfg.image_size}², {len(CAMERAS)} cameras, chunk {policy_cfg.chunk_size}, "
+        print(f"{spec.name}: {len(jobs)} episodes ({', '.join(tasks)}), max {args.max_steps} steps, pi0.5 "
+              f"{args.policy_preset} ({policy_cfg.image_size}², {len(cameras)} cameras, chunk {policy_cfg.chunk_size}, "
               f"n_action_steps {policy_cfg.n_action_steps}, {policy_cfg.num_inference_steps} Euler steps), "
               f"{os.cpu_count()} CPUs, {args.rounds} rounds; {load()}", flush=True)
         runs = designs(args.workers, args.envs_per_worker)

@@ -161,3 +161,22 @@ def test_eval_runs_libero_end_to_end(tmp_path):
     protocol = (tmp_path / "eval" / "protocol.json").read_text()
     assert '"settle_steps": 2' in protocol and '"video_camera": "image"' in protocol
     assert list((tmp_path / "eval" / "videos").glob("*.mp4"))
+
+
+def test_data_generate_writes_a_lerobot_dataset_of_libero_demonstrations(tmp_path):
+    from roboscale.configs.data import GenerateConfig
+    from roboscale.data import LeRobotDataset
+    from roboscale.sim.experts import generate_dataset
+
+    cfg = GenerateConfig(env="libero", tasks=[SOUP], episodes_per_task=1, out=str(tmp_path / "ds"), image_size=32,
+                         workers=1, action_noise=0.05, steps_after_success=2, first_scene=25)
+    generate_dataset(cfg)
+    dataset = LeRobotDataset(root=tmp_path / "ds")
+    assert dataset.num_episodes == 1 and dataset.meta.fps == libero.FPS
+    assert dataset.meta.task_list == [SPEC.instruction(SOUP)]
+    assert dataset.meta.info.robot_type == "panda"
+    table = dataset.read_episode(0)
+    assert bool(table["next.success"][-1]) and np.asarray(table["observation.state"]).shape[1] == libero.STATE_DIM
+    item = dataset[0]
+    assert item["observation.images.image"].shape == item["observation.images.image2"].shape == (3, 32, 32)
+    assert item["action"].shape == (libero.ACTION_DIM,)

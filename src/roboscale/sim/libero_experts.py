@@ -2,8 +2,11 @@
 
 Both suites' goals are one ``(In obj region)`` or ``(On obj target)`` predicate: pick ``obj`` up, put it in or on
 ``target``. The expert reads the object poses from the simulator (never shown to policies) and drives the
-end-effector with OSC_POSE position deltas through fixed phases: above the object, down, close, lift, above the
-target, down, open. Actions saturate at 1 (robosuite's 5 cm a step); the orientation is held.
+end-effector with OSC_POSE position deltas through phases: centred above the object, down (slowly, re-centring:
+the hand drifts sideways as it descends) until it reaches the object or stops on it, close while pressing on, lift,
+carry high (a held bottle clears the basket's rim), lower, open. Bowls, wider than the open gripper, are taken by
+the rim. Actions saturate at 1 (robosuite's 5 cm a step); the starting orientation is held, so noise added to the
+executed actions (DART) is corrected rather than accumulated. Success per task: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from roboscale.sim.experts import Expert, ExpertSpec
 from roboscale.sim.libero import ACTION_DIM, FPS, STATE_DIM, LiberoEnv
 
 GAIN = 20.0  # metres -> action units: 1 is 5 cm a step, so an error of 5 cm saturates
+ROTATION_GAIN = 2.0  # radians -> action units: 1 is 0.5 rad a step
 CLEARANCE = 0.12  # approach height above the object
 CARRY = 0.30  # travel height above the target: a held object clears the basket's rim
-PLACE = 0.15  # release height above the target
+PLACE_IN = 0.15  # release height above a container (the basket) ...
+PLACE_ON = 0.10  # ... and above a surface (the plate)
+BOWL_RIM = 0.05  # a bowl's centre to the middle of its wall
 CLOSE_STEPS = 12
 OPEN_STEPS = 15
 STALL_STEPS = 4
@@ -45,10 +51,14 @@ class PickPlace:
         if len(goal) != 1 or goal[0][0].lower() not in ("in", "on"):
             raise ConfigError(f"LIBERO task {env.task}: no scripted expert for the goal {goal} (experts handle one "
                               "In/On predicate: libero_object and libero_spatial)")
-        _, self.obj, target = goal[0]
+        relation, self.obj, target = goal[0]
+        # a bowl is wider than the open gripper: grasp its rim, where the wall runs across the fingers
+        self.offset = np.array([0.0, -BOWL_RIM, 0.0]) if "bowl" in self.obj else np.zeros(3)
+        self.place = PLACE_IN if relation.lower() == "in" else PLACE_ON
         self.env = env
         self.target_body = self._body_of(target)
         self.phase, self.count = "above_object", 0
+        self.orientation: np.ndarray | None = None  # the hand's orientation at the start, held throughout
         self.target: np.ndarray | None = None
         self.last_z, self.pushed_down = np.inf, False
 
@@ -63,28 +73,29 @@ class PickPlace:
     def __call__(self, observation: dict[str, Any]) -> np.ndarray:
         raw = observation["privileged"]
         eef = raw["robot0_eef_pos"]
-        obj = raw[f"{self.obj}_pos"]
+        obj = raw[f"{self.obj}_pos"] + self.offset
         if self.target is None or self.phase in ("above_object", "down", "close"):
             self.target = self.env.object_position(self.target_body)  # fixed once the object is held
-        target = self.target
+        target = self.target + self.offset
         grip = -1.0
         if self.phase == "above_object":
             goal = obj + [0, 0, CLEARANCE]
             if np.linalg.norm((goal - eef)[:2]) < ALIGNED and abs(goal[2] - eef[2]) < 0.02:
                 self.phase = "down"
         if self.phase == "down":
-            goal = obj + [0, 0, 0.01]
+            goal = grasp = obj + [0, 0, 0.01]
             descending = np.linalg.norm((goal - eef)[:2]) <= 2 * ALIGNED
             if not descending:  # the hand drifted: centre it before going lower
-                goal[2] = eef[2]
+                goal = np.array([grasp[0], grasp[1], eef[2]])
             # the fingers rest on the object's top or the table: grasp where the hand stopped going down
-            stalled = descending and self.last_z - eef[2] < 0.001 and self.pushed_down
+            low = eef[2] < obj[2] + CLEARANCE - 0.03  # contact happens below the approach height, not at its start
+            stalled = descending and self.pushed_down and low and self.last_z - eef[2] < 0.001
             self.count = self.count + 1 if stalled else 0
             self.last_z, self.pushed_down = eef[2], descending
-            if np.linalg.norm(goal - eef) < 0.01 or self.count >= STALL_STEPS:
+            if np.linalg.norm(grasp - eef) < 0.01 or self.count >= STALL_STEPS:
                 self.phase, self.count = "close", 0
         if self.phase == "close":
-            goal, grip = eef.copy(), 1.0
+            goal, grip = obj + [0, 0, 0.01], 1.0  # pressing on while the fingers close: flat objects too
             self.count += 1
             if self.count >= CLOSE_STEPS:
                 self.phase = "lift"
@@ -97,7 +108,7 @@ class PickPlace:
             if np.linalg.norm((goal - eef)[:2]) < 0.015:
                 self.phase = "lower"
         if self.phase == "lower":
-            goal, grip = np.array([target[0], target[1], target[2] + PLACE]), 1.0
+            goal, grip = np.array([target[0], target[1], target[2] + self.place]), 1.0
             if eef[2] < goal[2] + 0.015:
                 self.phase, self.count = "release", 0
         if self.phase == "release":
@@ -109,10 +120,23 @@ class PickPlace:
             goal, grip = np.array([eef[0], eef[1], target[2] + CARRY]), -1.0
         action = np.zeros(ACTION_DIM, dtype=np.float32)
         action[:3] = np.clip(GAIN * (goal - eef), -1.0, 1.0)
-        if self.phase == "down":
-            action[2] = max(action[2], -0.5)  # a slower descent: the hand drifts sideways less
+        action[3:6] = self._hold_orientation(raw["robot0_eef_quat"])
+        if self.phase == "down":  # a slower descent, held over the object: the hand drifts sideways as it goes down
+            action[:2] = np.clip(2 * GAIN * (goal - eef)[:2], -1.0, 1.0)
+            action[2] = max(action[2], -0.5)
         action[6] = grip
         return action
+
+
+    def _hold_orientation(self, quat_xyzw: np.ndarray) -> np.ndarray:
+        """Rotation deltas back to the starting orientation (noise in the executed actions turns the hand)."""
+        from robosuite.utils.transform_utils import mat2quat, quat2axisangle, quat2mat
+
+        current = quat2mat(quat_xyzw)
+        if self.orientation is None:
+            self.orientation = current
+        error = quat2axisangle(mat2quat(self.orientation @ current.T))  # world frame, as OSC_POSE takes it
+        return np.clip(ROTATION_GAIN * error, -1.0, 1.0)
 
 
 def expert(env: LiberoEnv) -> Expert:

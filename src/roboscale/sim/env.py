@@ -103,6 +103,20 @@ class EnvSpec:
         return self.resolve_tasks(list(names) or list(self.default_tasks))
 
 
+def expand_tasks(names: Sequence[str] | str, suite: Callable[[str], Sequence[str] | None],
+                 task: Callable[[str], str]) -> list[str]:
+    """Task and suite names as a user writes them (a list, or one string split at commas and spaces) -> task names,
+    each once, in order: ``suite(name)`` gives a suite's tasks (None: not a suite), ``task(name)`` a task's own
+    name (a ConfigError for an unknown one). Every adapter's ``resolve_tasks``."""
+    if isinstance(names, str):
+        names = [n for n in names.replace(",", " ").split() if n]
+    tasks: list[str] = []
+    for name in names:
+        members = suite(name.lower())
+        tasks.extend(members if members is not None else [task(name)])
+    return list(dict.fromkeys(tasks))
+
+
 def episode_seed(seed: int, task: str, attempt: int) -> int:
     """The seed ``reset`` places episode ``attempt`` of ``task`` with, from a run's base ``seed``: stable over
     processes and restarts (crc32, not ``hash()``), 31 bits. Every adapter's episodes are numbered by it

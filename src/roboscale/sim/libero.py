@@ -45,7 +45,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from roboscale.errors import ConfigError  # noqa: E402
-from roboscale.sim.env import EnvSpec, Step  # noqa: E402
+from roboscale.sim.env import EnvSpec, Step, expand_tasks  # noqa: E402
+from roboscale.sim.rendering import CameraRenderer  # noqa: E402
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 EPISODE_LIMITS = {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520,
@@ -121,15 +122,10 @@ def task_info(name: str) -> TaskInfo:
 
 def resolve_tasks(names: list[str] | tuple[str, ...] | str) -> list[str]:
     """Suite names expand to their tasks, in LIBERO's order; task names are LIBERO's (``pick_up_the_...``)."""
-    if isinstance(names, str):
-        names = [n for n in names.replace(",", " ").split() if n]
-    tasks: list[str] = []
-    for name in names:
-        if name.lower() in SUITES:
-            tasks.extend(task.name for task in catalog_by_suite()[name.lower()])
-        else:
-            tasks.append(task_info(name).name)
-    return list(dict.fromkeys(tasks))
+    def suite(name: str) -> list[str] | None:
+        return [task.name for task in catalog_by_suite()[name]] if name in SUITES else None
+
+    return expand_tasks(names, suite, lambda name: task_info(name).name)
 
 
 def instruction(task: str) -> str:
@@ -170,7 +166,6 @@ class LiberoEnv:
 
     def __init__(self, task: str, image_size: int = 128, cameras: dict[str, str] | None = None, max_steps: int = 0,
                  state_feature: str = "observation.state", options: LiberoOptions | None = None):
-        import mujoco
         from libero.libero.envs.env_wrapper import ControlEnv
 
         if state_feature != "observation.state":
@@ -194,11 +189,7 @@ class LiberoEnv:
                                    has_renderer=False, has_offscreen_renderer=False, hard_reset=False,
                                    camera_heights=image_size, camera_widths=image_size)
         self._model, self._data = self._env.sim.model._model, self._env.sim.data._data
-        self._renderer = None
-        if self.cameras:
-            self._model.vis.quality.offsamples = 0  # no multisampling; set before the renderer exists
-            self._renderer = mujoco.Renderer(self._model, height=image_size, width=image_size)
-        self._mujoco = mujoco
+        self._renderer = CameraRenderer(self._model, image_size, self.cameras, _as_lerobot) if self.cameras else None
         self._steps = 0
         self._raw: dict[str, Any] = {}
         self.timings["sim_s"] += time.perf_counter() - start
@@ -247,23 +238,25 @@ class LiberoEnv:
         return {"state": state.astype(np.float32), "images": self.render() if render else {}, "privileged": raw}
 
     def render(self) -> dict[str, np.ndarray]:
-        images: dict[str, np.ndarray] = {}
         if self._renderer is None:
-            return images
+            return {}
         start = time.perf_counter()
-        flags = self._mujoco.mjtRndFlag
-        for name, camera in self.cameras.items():
-            self._renderer.update_scene(self._data, camera=camera)
-            self._renderer.scene.flags[flags.mjRND_SHADOW] = 0
-            self._renderer.scene.flags[flags.mjRND_REFLECTION] = 0
-            # LeRobot's 180-degree rotation of robosuite's bottom-up frame = our top-down frame mirrored
-            images[name] = np.ascontiguousarray(self._renderer.render()[:, ::-1])
+        images = self._renderer.render(self._data)
+        self.timings["render_s"] += time.perf_counter() - start
+        return images
+        start = time.perf_counter()
+        images = self._renderer.render(self._data)
         self.timings["render_s"] += time.perf_counter() - start
         return images
 
     def object_position(self, name: str) -> np.ndarray:
         """A body's world position (the scripted experts' privileged view)."""
         return np.array(self._data.xpos[self._model.body(name).id])
+
+
+def _as_lerobot(camera: str, image: np.ndarray) -> np.ndarray:
+    """LeRobot's 180-degree rotation of robosuite's bottom-row-first frame = our top-row-first frame mirrored."""
+    return image[:, ::-1]
 
 
 def make_env(task: str, *, image_size: int = 128, cameras: dict[str, str] | None = None, max_steps: int = 0,

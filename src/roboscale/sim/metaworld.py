@@ -20,7 +20,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from roboscale.errors import ConfigError  # noqa: E402
-from roboscale.sim.env import EnvSpec, Step  # noqa: E402
+from roboscale.sim.env import EnvSpec, Step, expand_tasks  # noqa: E402
+from roboscale.sim.rendering import CameraRenderer  # noqa: E402
 
 TASK_DESCRIPTIONS: dict[str, str] = {
     "assembly-v3": "Pick up a nut and place it onto a peg",
@@ -113,23 +114,19 @@ ACTION_DIM = 4  # mocap delta xyz + gripper effort
 FPS = 80  # MetaWorld control rate: frame_skip 5 x timestep 0.0025 s
 
 
+def _task_name(name: str) -> str:
+    full = name if name.endswith("-v3") else f"{name}-v3"
+    if full not in TASK_DESCRIPTIONS:
+        raise ConfigError(
+            f"unknown MetaWorld task {name!r}; use one of the suites {sorted(SUITES)} "
+            f"or a task name such as 'drawer-open' (all 50: `roboscale data tasks`)"
+        )
+    return full
+
+
 def resolve_tasks(names: list[str] | tuple[str, ...] | str) -> list[str]:
     """Expand suite names (``mt10``, ``mt50``, ``demo``, ``pairs``) and accept task names with or without ``-v3``."""
-    if isinstance(names, str):
-        names = [n for n in names.replace(",", " ").split() if n]
-    tasks: list[str] = []
-    for name in names:
-        if name.lower() in SUITES:
-            tasks.extend(SUITES[name.lower()])
-            continue
-        full = name if name.endswith("-v3") else f"{name}-v3"
-        if full not in TASK_DESCRIPTIONS:
-            raise ConfigError(
-                f"unknown MetaWorld task {name!r}; use one of the suites {sorted(SUITES)} "
-                f"or a task name such as 'drawer-open' (all 50: `roboscale data tasks`)"
-            )
-        tasks.append(full)
-    return list(dict.fromkeys(tasks))  # de-duplicate, keep order
+    return expand_tasks(names, SUITES.get, _task_name)
 
 
 def task_description(task: str) -> str:
@@ -156,7 +153,6 @@ class MetaWorldEnv:
 
     def __init__(self, task: str, render: RenderConfig | None = None, max_episode_steps: int = 500,
                  state_feature: str = "observation.state"):
-        import mujoco
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
         if state_feature not in STATE_FEATURES:
@@ -177,13 +173,12 @@ class MetaWorldEnv:
         del env.sawyer_observation_space  # cached_property; recomputed with the goal observable
         self._env = env
         model = env.model
-        model.vis.quality.offsamples = 0  # no MSAA; must be set before the renderer exists
         for camera, pos in CAMERA_POSITIONS.items():
             model.cam_pos[model.camera(camera).id] = pos
         self._renderer = None
         if self.render_config.cameras:
-            self._renderer = mujoco.Renderer(model, height=self.render_config.height, width=self.render_config.width)
-        self._mujoco = mujoco
+            self._renderer = CameraRenderer(model, self.render_config.height, self.render_config.cameras,
+                                            _upright)
         self._steps = 0
 
     def _observation(self, full_state: np.ndarray, render: bool = True) -> dict:
@@ -194,19 +189,14 @@ class MetaWorldEnv:
         }
 
     def render(self) -> dict[str, np.ndarray]:
-        images = {}
         if self._renderer is None:
-            return images
+            return {}
         start = time.perf_counter()
-        flags = self._mujoco.mjtRndFlag
-        for name, camera in self.render_config.cameras.items():
-            self._renderer.update_scene(self._env.data, camera=camera)
-            self._renderer.scene.flags[flags.mjRND_SHADOW] = 0
-            self._renderer.scene.flags[flags.mjRND_REFLECTION] = 0
-            image = self._renderer.render()
-            if camera in FLIPPED_CAMERAS:
-                image = np.flip(image, (0, 1))
-            images[name] = np.ascontiguousarray(image)
+        images = self._renderer.render(self._env.data)
+        self.timings["render_s"] += time.perf_counter() - start
+        return images
+        start = time.perf_counter()
+        images = self._renderer.render(self._env.data)
         self.timings["render_s"] += time.perf_counter() - start
         return images
 
@@ -248,6 +238,10 @@ class MetaWorldEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _upright(camera: str, image: np.ndarray) -> np.ndarray:
+    return np.flip(image, (0, 1)) if camera in FLIPPED_CAMERAS else image
 
 
 def make_env(task: str, *, image_size: int = 64, cameras: dict[str, str] | None = None,

@@ -19,12 +19,12 @@ bottom row first; we render with ``mujoco.Renderer`` (top row first), so the sam
 left-right. Episode ``scene`` starts from the task's official init state ``scene mod 50``, then ``settle_steps``
 no-op steps let the objects settle (LeRobot and openpi wait 10). Limits per suite are LeRobot's.
 
-Cost (docs/benchmarks.md): robosuite's own path renders both cameras after every control step, ~140 ms of a
-~165 ms step on 2 CPU cores (llvmpipe); the physics (25 substeps of OSC control) is ~15-25 ms. Cameras here are
-rendered only when the policy looks (``render=True``: once a chunk in the rollout engine), without shadows,
-reflections or multisampling. Resets are soft (the XML is loaded once per env, not per episode: 1.3 s saved per
-episode); the one state a soft reset keeps, the gripper's last command, is cleared, so an episode's trajectory is
-the same in a fresh env, a reused one, or another process.
+Cost (benchmarks/libero_step.py, docs/benchmarks.md): robosuite's own path renders both cameras after every control
+step, 154 ms a step on 2 CPU cores (llvmpipe) against 14 ms of physics (25 substeps of OSC control). Cameras here
+are rendered only when the policy looks (``render=True``: once a chunk in the rollout engine), without shadows,
+reflections or multisampling. Resets are soft: the XML is loaded once per env, not per episode (117 ms against
+2.9 s). The one state a soft reset keeps, the gripper's last command, is cleared, so an episode's trajectory is the
+same in a fresh env, a reused one, or another process.
 """
 
 from __future__ import annotations

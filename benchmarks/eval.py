@@ -36,10 +36,10 @@ from roboscale.sim.env import EnvSpec, env_spec, episode_seed
 from roboscale.sim.experts import expert_spec
 
 
-def demo_checkpoint(directory: Path, preset: str, spec: EnvSpec, tasks: list[str]) -> Path:
-    """An untrained policy with the features of the env's demonstrations (its actions are as costly to compute as
-    a trained one's; every episode runs to max_steps, the most work per episode)."""
-    cfg = preset_config("pi05", preset)
+def demo_checkpoint(directory: Path, preset: str, spec: EnvSpec, tasks: list[str], policy: str = "pi05") -> Path:
+    """An untrained ``policy`` with the features of the env's demonstrations (its actions are as costly to compute
+    as a trained one's; every episode runs to max_steps, the most work per episode)."""
+    cfg = preset_config(policy, preset)
     size = cfg.image_size
     demo_features = expert_spec(spec).dataset_features(size, spec.default_cameras)
     cameras = [key for key, f in demo_features.items() if f["dtype"] == "video"]
@@ -50,9 +50,8 @@ def demo_checkpoint(directory: Path, preset: str, spec: EnvSpec, tasks: list[str
              for key, f in features.items() if key in ("observation.state", "action")}
     meta = SimpleNamespace(root="<benchmark>", features=features, camera_keys=cameras,
                            fps=expert_spec(spec).fps, task_list=[spec.instruction(t) for t in tasks], stats=stats)
-    policy = build_policy(cfg, meta)
     path = directory / "pretrained_model"
-    policy.save_pretrained(path)
+    build_policy(cfg, meta).save_pretrained(path)
     return path
 
 

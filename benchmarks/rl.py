@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--tasks", default="button-press-topdown,drawer-open")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--modes", default=",".join(MODES), help="which of: " + ", ".join(MODES))
+    parser.add_argument("--env", default="roboscale.sim.latency:METAWORLD_LONG_TAIL",
+                        help="the simulator (roboscale.sim.latency: METAWORLD_LONG_TAIL, METAWORLD_SLOW)")
     parser.add_argument("--rl", default="--rl.group_size=4 --rl.states_per_task=2 --rl.max_steps=100 "
                                         "--rl.epochs=4 --optimizer.lr=3e-5 --rollout.workers=4 "
                                         "--rollout.envs_per_worker=2",
@@ -89,7 +91,7 @@ def main() -> None:
                                       f"--output_dir={out / 'sft'}"], out / "sft" / "checkpoints" / "last", timings)
         checkpoint = out / "sft"
     common = ["rl", f"--checkpoint={checkpoint}", f"--tasks=[{args.tasks}]", f"--steps={args.steps}",
-              f"--save_freq={args.steps}", "--env=roboscale.sim.latency:METAWORLD_LONG_TAIL", *args.rl.split()]
+              f"--save_freq={args.steps}", f"--env={args.env}", *args.rl.split()]
     results = {}
     for name in args.modes.split(","):
         target = out / name

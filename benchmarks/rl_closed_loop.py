@@ -45,6 +45,12 @@ def stage(name: str, args: list[str], done: Path, timings: dict[str, tuple[float
     timings[name] = (time.perf_counter() - start, cpu)
 
 
+def rate(wins: int, n: int) -> str:
+    """A success rate with its Wilson 95% interval, as the tables print it."""
+    low, high = wilson(wins, n)
+    return f"{wins / n:.0%} ({low:.0%}-{high:.0%}, n={n})"
+
+
 def per_task(report: Path) -> dict[str, tuple[int, int]]:
     """task -> (successes, episodes) of an evaluation's report.json."""
     data = json.loads((report / "report.json").read_text())
@@ -115,8 +121,7 @@ def main() -> None:
         rows = []
         for result in (before, after):
             wins, n = (sum(result[t][i] for t in tasks) for i in (0, 1))
-            low, high = wilson(wins, n)
-            rows.append((wins / n, f"{wins / n:.0%} ({low:.0%}-{high:.0%}, n={n})"))
+            rows.append((wins / n, rate(wins, n)))
         print(f"| {label} | {rows[0][1]} | {rows[1][1]} | {100 * (rows[1][0] - rows[0][0]):+.0f} points |")
     print("\n| stage | wall | CPU (all processes) |")
     print("|---|---:|---:|")

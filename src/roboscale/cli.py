@@ -159,6 +159,14 @@ def _eval(argv: list[str]) -> None:
     print(f"report: {summary['report_dir']}/report.md")
 
 
+def _serve(argv: list[str]) -> None:
+    from roboscale.config import parse
+    from roboscale.configs.serve import ServeConfig
+    from roboscale.serve.server import serve_policy
+
+    serve_policy(parse(ServeConfig, argv, prog="roboscale serve"))
+
+
 def _compare(argv: list[str]) -> None:
     from roboscale.config import parse
     from roboscale.configs.report import CompareConfig
@@ -238,8 +246,10 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
     "rl": Command("RL post-training of a supervised checkpoint in the simulator (GRPO, PPO)", _rl),
     "export": Command("write a checkpoint's consolidated policy (pretrained_model) to a directory", _export),
-    "eval": Command("evaluate a checkpoint in closed loop in MetaWorld (eval compare RUN_A RUN_B: compare runs)",
+    "eval": Command("evaluate a checkpoint in closed loop in simulation (eval compare RUN_A RUN_B: compare runs)",
                     _eval),
+    "serve": Command("serve a checkpoint to robot clients over openpi's websocket protocol (127.0.0.1 by default)",
+                     _serve),
     "report": Command("write an HTML page for a training run: curves, success vs step, best checkpoint", _report),
     "plan": Command("predict step time, communication, data rate and scaling of a policy over GPU counts", _plan),
     "demo": Command("generate demos, train, evaluate: the whole loop on the embedded default", _demo),

@@ -66,6 +66,12 @@ class RolloutConfig:
     sde_steps: int = 0
     """Denoising steps of each chunk that draw noise under the sde sampler, chosen per episode and chunk; the
     others are the ODE's (πRL's hybrid ODE-SDE sampling: training then recomputes only those steps). 0: all."""
+    server: str = ""
+    """A running policy server (`roboscale serve`) to predict with, ws://HOST:PORT, instead of loading the policy
+    here: each environment is one of its clients (the server batches them), episodes end as with local inference.
+    Empty: the policy runs here."""
+    server_api_key_file: str = ""
+    """The file whose first line is the server's API key (a server on another interface requires one)."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "envs_per_worker", "sub_batches", "servers", "max_batch_size"):
@@ -79,6 +85,11 @@ class RolloutConfig:
             raise ConfigError(f"--rollout.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.sampler == "sde" and not self.noise_level > 0:  # `not >`: NaN too
             raise ConfigError(f"--rollout.noise_level must be > 0 for --rollout.sampler=sde, got {self.noise_level}")
+        if self.server and not self.server.startswith(("ws://", "wss://")):
+            raise ConfigError(f"--rollout.server must be a ws://HOST:PORT address, got {self.server!r}")
+        if self.server and self.sampler != "ode":
+            raise ConfigError("--rollout.server predicts with the server's ode sampler; --rollout.sampler=sde needs "
+                              "the policy here")
         if self.sde_steps < 0:
             raise ConfigError(f"--rollout.sde_steps must be >= 0, got {self.sde_steps}")
         if (self.batch_timeout_ms < 0 or self.max_retries < 0 or self.watchdog_s <= 0 or self.inference_threads < 0

@@ -60,15 +60,20 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     tasks = spec.tasks_or_default(cfg.tasks)
     video_camera = cfg.video_camera or spec.video_camera
     instructions = {spec.resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
-    if not cfg.checkpoint:
+    if cfg.rollout.server:  # the policy is served elsewhere: what it is comes from the server
+        policy_cfg, policy_name, checkpoint, checkpoint_sha256 = _served_policy(cfg)
+    elif not cfg.checkpoint:
         raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or pretrained_model)")
-    checkpoint = resolve_checkpoint(cfg.checkpoint)
-    policy = Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
-    policy_cfg = policy.config
+    else:
+        checkpoint = resolve_checkpoint(cfg.checkpoint)
+        policy = Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
+        policy_cfg, policy_name = policy.config, policy.name
+        checkpoint_sha256 = sha256_file(checkpoint / "model.safetensors")
+        del policy
     env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
     _check_cameras(spec, tasks[0], env_options, checkpoint)
     cameras, image_size = env_options["cameras"], env_options["image_size"]
-    out_dir = Path(cfg.output_dir) if cfg.output_dir else checkpoint.parent / "eval"
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(checkpoint).parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     protocol = {
@@ -82,10 +87,11 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         "videos_per_task": cfg.videos_per_task,
     }
     meta: dict[str, Any] = {
-        "label": label, "checkpoint": str(checkpoint), "policy_type": policy.name,
-        "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"), "protocol": protocol,
+        "label": label, "checkpoint": str(checkpoint), "policy_type": policy_name,
+        "checkpoint_sha256": checkpoint_sha256, "protocol": protocol,
     }
-    del policy
+    if cfg.rollout.server:
+        meta["server"] = cfg.rollout.server
     # one evaluation per directory: a second one would run every episode again into the same episodes.jsonl
     with exclusive_lock(out_dir / LOCK_FILE, lambda holder: ConfigError(
             f"{out_dir}: another evaluation ({holder}) is writing there; wait for it to end, or use another "
@@ -116,6 +122,29 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         summary["eval_seconds"] = stats.wall_s
         summary["timing"] = meta["timing"]
         return summary
+
+
+def _served_policy(cfg: EvalConfig) -> tuple[Any, str, str, str]:
+    """(policy config, policy type, checkpoint, its sha256) of the policy the server at ``--rollout.server`` serves,
+    from the metadata it sends on connect; ConfigError when --output_dir is missing or --checkpoint disagrees."""
+    from roboscale.config import from_dict
+    from roboscale.models.config import PolicyConfig
+    from roboscale.models.registry import get_spec
+    from roboscale.rollout.remote import connect, read_key
+
+    if not cfg.output_dir:
+        raise ConfigError("--output_dir is required with --rollout.server (the checkpoint is the server's)")
+    ws, metadata = connect(cfg.rollout.server, read_key(cfg.rollout.server_api_key_file,
+                                                        "--rollout.server_api_key_file"))
+    ws.close()
+    get_spec(metadata["policy"])  # a type this roboscale knows (the registry's import made each selectable)
+    policy_cfg = from_dict(PolicyConfig, dict(metadata["policy_config"]), where=f"{cfg.rollout.server} metadata")
+    if cfg.checkpoint:
+        local = sha256_file(resolve_checkpoint(cfg.checkpoint) / "model.safetensors")
+        if local != metadata["checkpoint_sha256"]:
+            raise ConfigError(f"--checkpoint={cfg.checkpoint} is not the policy {cfg.rollout.server} serves "
+                              f"({metadata['checkpoint']}): their weights differ")
+    return policy_cfg, metadata["policy"], metadata["checkpoint"], metadata["checkpoint_sha256"]
 
 
 def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, Any]:

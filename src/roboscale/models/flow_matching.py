@@ -16,10 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from roboscale.models.rtc import Guide, guided_velocity
 
 if TYPE_CHECKING:
     from roboscale.models.policy import Policy
@@ -76,8 +79,12 @@ class FlowMatching:
 
     @torch.no_grad()
     def sample(self, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
-               steps: int) -> torch.Tensor:
-        """Actions from noise [B, T, A] by ``steps`` Euler steps of ``velocity(x_t, t[B])``."""
+               steps: int, guide: Guide | None = None) -> torch.Tensor:
+        """Actions from noise [B, T, A] by ``steps`` Euler steps of ``velocity(x_t, t[B])``. ``guide``: real-time
+        chunking (``roboscale.models.rtc``), each step's velocity corrected towards the committed actions (one
+        backward pass through ``velocity`` per step); None: the plain sampler, untouched."""
+        if guide is not None:
+            velocity = partial(guided_velocity, velocity, guide=guide, data_at=self.data_at)
         x = noise
         b = x.shape[0]
         if self.data_at == 0:  # from t = 1 down to 0

@@ -37,6 +37,7 @@ from roboscale.errors import CheckpointError, ConfigError
 from roboscale.models.config import PolicyConfig
 from roboscale.models.flow_matching import FlowMatching
 from roboscale.models.normalize import Normalizer
+from roboscale.models.rtc import ChunkGuide, Guide, prefix_weights
 from roboscale.models.tokenizer import TaskTokenizer
 from roboscale.utils.io import atomic_path, atomic_write_json
 
@@ -163,12 +164,19 @@ class Policy(nn.Module):
         return ""
 
     @torch.no_grad()
-    def predict_action_chunk(self, observation: Any, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def predict_action_chunk(self, observation: Any, noise: torch.Tensor | None = None,
+                             guide: ChunkGuide | None = None) -> torch.Tensor:
         """Actions [B, chunk_size, dataset_action_dim or action_dim] in the dataset's units (the dataset's width: a
         fine-tuned policy's padded dimensions are cropped), from noise by the policy's Euler steps. ``noise``
         [B, chunk_size, action_dim]: the starting point of each sample's flow (the rollout engine draws it per
         episode so that an episode's actions do not depend on the batch it was predicted in); default N(0, 1)
-        from torch's generator."""
+        from torch's generator.
+
+        ``guide``: real-time chunking (``roboscale.models.rtc``): the actions each sample's robot has committed to,
+        which its chunk is guided to agree with, at the cost of a backward pass through the action model per step
+        (gradients reach the noisy actions only, never a parameter's ``.grad``; freezing the parameters,
+        ``requires_grad_(False)``, also spares autograd what their gradients would need). A sample with no
+        committed actions gets exactly its unguided chunk, and a batch with none takes the unguided sampler."""
         encoded = self.encode(observation, cache=True)
         device = next(self.parameters()).device
         shape = (encoded.batch_size, self.config.chunk_size, self.config.action_dim)
@@ -178,8 +186,29 @@ class Policy(nn.Module):
             raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {shape}")
         noise = noise.to(device)
         actions = self.flow_matching.sample(lambda x, t: self.velocity(encoded, x, t), noise,
-                                            self.config.num_inference_steps)
+                                            self.config.num_inference_steps,
+                                            None if guide is None else self._sampler_guide(guide, shape, device))
         return self.action_normalizer.unnormalize(actions)
+
+    def _sampler_guide(self, guide: ChunkGuide, shape: tuple[int, int, int], device: torch.device) -> Guide | None:
+        """``guide`` as the sampler takes it: normalized, at the model's width (a fine-tuned policy's padded
+        dimensions, which the dataset has no values for, left unguided), with each sample's weights; None when no
+        sample has committed actions."""
+        b, t, width = shape
+        data_width = self.action_normalizer.data_dim or width
+        if tuple(guide.actions.shape) != (b, t, data_width):
+            raise ValueError(f"guide.actions (the committed actions) has shape {tuple(guide.actions.shape)}, "
+                             f"expected {(b, t, data_width)}")
+        counts, delays = guide.count.tolist(), guide.delay.tolist()
+        if len(counts) != b or len(delays) != b:
+            raise ValueError(f"guide.count and guide.delay need one entry per sample ({b}), got {len(counts)} and "
+                             f"{len(delays)}")
+        if not any(counts):
+            return None
+        weights = torch.stack([prefix_weights(d, n, t, guide.schedule) for n, d in zip(counts, delays, strict=True)])
+        dims = (torch.arange(width) < data_width).float()
+        target = self.action_normalizer.normalize(guide.actions.to(device, torch.float32))
+        return Guide(target, (weights[..., None] * dims).to(device), guide.max_guidance)
 
     @torch.no_grad()
     def sample_action_chain(self, observation: Any, noise: torch.Tensor, step_noise: torch.Tensor,

@@ -118,7 +118,10 @@ class RolloutStats:
 
 def uses_servers(cfg: RolloutConfig, device: str) -> bool:
     """Whether inference servers predict (``--rollout.inference``, ``auto`` resolved for the device the policy runs
-    on: servers for a GPU, the workers themselves on the CPU)."""
+    on: servers for a GPU, the workers themselves on the CPU); never with a remote server (``--rollout.server``),
+    which the workers ask themselves."""
+    if cfg.server:
+        return False
     if cfg.inference == "auto":
         return not device.startswith("cpu")
     return cfg.inference == "server"
@@ -341,6 +344,7 @@ class _Pool:
 
     def __init__(self, cfg: RolloutConfig, setup: EnvSetup, launcher: Launcher, generation: int):
         from roboscale.rollout.inference import RunnerSettings, inference_threads
+        from roboscale.rollout.remote import RemoteSettings, read_key
 
         self.cfg, self.setup, self.generation = cfg, setup, generation
         self.events = launcher.channel()
@@ -354,6 +358,8 @@ class _Pool:
         # only make them wait for each other
         threads = inference_threads(cfg.inference_threads, cfg.servers + cfg.workers if serving else cfg.workers)
         runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler, cfg.noise_level, cfg.sde_steps)
+        predictor = (RemoteSettings(cfg.server, read_key(cfg.server_api_key_file, "--rollout.server_api_key_file"))
+                     if cfg.server else runner)
         self.servers: dict[str, Handle] = {}
         self.controls: dict[str, Channel] = {}
         """Each process's own channel from the engine: a server's control channel, a worker's inbox."""
@@ -373,7 +379,7 @@ class _Pool:
                 name, i, generation, setup.env, setup.env_options, cfg.envs_per_worker, cfg.sub_batches,
                 setup.n_action_steps, setup.video_camera, setup.video_dir, spare_envs=cfg.spare_envs,
                 announce_groups=serving and cfg.servers == 1,
-                render_every_step=cfg.render == "every_step", local=None if serving else runner,
+                render_every_step=cfg.render == "every_step", local=None if serving else predictor,
                 max_batch_size=cfg.max_batch_size)
             self.workers[name] = launcher.start(
                 run_env_worker, (settings, self.inboxes[i], self.requests, self.replies[i], self.events),

@@ -4,8 +4,10 @@ A request item is one environment's observation with what makes its prediction r
 seed and the index of the chunk within the episode (the noise is drawn from those two alone, ``rollout.noise``).
 Two samplers: ``ode``, the policy's deterministic Euler steps from that noise (``predict_action_chunk``, what
 evaluation uses), and ``sde``, the stochastic sampler of RL post-training (``sample_action_chain``), whose step
-noise is drawn from the same two (``step_noise``) and which returns the whole denoising chain as well. Each
-prediction carries the version of the weights that made it (0: the checkpoint's; ``load_state`` sets others).
+noise is drawn from the same two (``step_noise``) and which returns the whole denoising chain as well. An ``ode``
+item may carry the actions its robot has committed to (real-time chunking, ``roboscale.models.rtc``): those items
+are sampled guided to agree with them, in a batch of their own. Each prediction carries the version of the
+weights that made it (0: the checkpoint's; ``load_state`` sets others).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from roboscale.rollout.noise import chunk_noise, step_noise, stochastic_steps
 if TYPE_CHECKING:
     import torch
 
+    from roboscale.models.rtc import ChunkGuide
+
 
 @dataclass
 class PredictItem:
@@ -36,6 +40,13 @@ class PredictItem:
     state: np.ndarray
     images: dict[str, np.ndarray]
     """{camera feature name: H x W x 3 uint8}."""
+    committed: np.ndarray | None = None
+    """Real-time chunking (``roboscale serve --rtc``): the previous chunk's actions the robot had not executed yet
+    when this observation was taken, [n, A_data] in the dataset's units; the new chunk is guided to agree with them
+    (None: unguided, the ``ode`` sampler's chunk)."""
+    delay: int = 0
+    """Of ``committed``, how many the robot executes before this chunk arrives (the inference delay, in action
+    steps): those are frozen (weight 1), the rest of ``committed`` guided with decaying weights."""
 
 
 @dataclass
@@ -73,10 +84,14 @@ class RunnerSettings:
     sampler: str = "ode"
     noise_level: float = 0.5
     sde_steps: int = 0
+    rtc_schedule: str = "exp"
+    """Real-time chunking: how the guidance weights of ``committed`` actions after the delay decay."""
+    rtc_max_guidance: float = 5.0
+    """Real-time chunking: the largest guidance weight (beta of the paper)."""
 
     def build(self) -> PolicyRunner:
         return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.noise_level,
-                            self.sde_steps)
+                            self.sde_steps, self.rtc_schedule, self.rtc_max_guidance)
 
 
 def resolve_device(device: str) -> str:
@@ -95,22 +110,29 @@ class PolicyRunner:
     """A policy loaded for inference (eval mode, fp32 on CPU) and the batching of observations into its input."""
 
     def __init__(self, checkpoint: str, device: str = "auto", threads: int = 1, sampler: str = "ode",
-                 noise_level: float = 0.5, sde_steps: int = 0):
+                 noise_level: float = 0.5, sde_steps: int = 0, rtc_schedule: str = "exp",
+                 rtc_max_guidance: float = 5.0):
         import torch
 
         from roboscale.models.policy import Policy
+        from roboscale.models.rtc import SCHEDULES
 
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
+        if rtc_schedule not in SCHEDULES:
+            raise ValueError(f"rtc_schedule must be one of {list(SCHEDULES)}, got {rtc_schedule!r}")
         self.sampler, self.noise_level, self.sde_steps = sampler, noise_level, sde_steps
+        self.rtc_schedule, self.rtc_max_guidance = rtc_schedule, rtc_max_guidance
         self.version = 0
         torch.set_num_threads(threads)
         self.device = torch.device(resolve_device(device))
-        self.policy = Policy.from_pretrained(checkpoint).to(self.device).eval()
+        # inference only: real-time chunking differentiates the noisy actions, never the weights
+        self.policy = Policy.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
         config = self.policy.config
         self.image_keys: list[str] = list(config.image_keys)
         self.state_key: str = config.state_key
         self.noise_shape = (config.chunk_size, config.action_dim)
+        self.action_width = self.policy.action_normalizer.data_dim or config.action_dim
         self.steps = config.num_inference_steps
 
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -165,12 +187,12 @@ class PolicyRunner:
 
         from roboscale.models.flow_matching import sampled_log_density
 
-        noise = torch.from_numpy(np.stack([chunk_noise(it.noise_seed, it.chunk_index, self.noise_shape)
-                                           for it in items]))
-        observation = self.batch(items)
         if self.sampler == "ode":
-            chunks = self.policy.predict_action_chunk(observation, noise=noise).float().cpu().numpy()
-            return [Prediction(chunk, None, self.version) for chunk in chunks]
+            return self._predict_ode(items)
+        if any(it.committed is not None for it in items):
+            raise ValueError("committed: real-time chunking is not supported by the sde sampler (use sampler=ode)")
+        noise = self._noise(items)
+        observation = self.batch(items)
         draws = torch.from_numpy(np.stack([step_noise(it.noise_seed, it.chunk_index, self.steps, self.noise_shape)
                                            for it in items]))
         stochastic = np.stack([stochastic_steps(it.noise_seed, it.chunk_index, self.steps, self.sde_steps)
@@ -184,3 +206,51 @@ class PolicyRunner:
                 for chunk, chain, steps, density, value in zip(actions.float().cpu().numpy(),
                                                                chains.float().cpu().numpy(), stochastic, densities,
                                                                values, strict=True)]
+
+    def _noise(self, items: list[PredictItem]) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(np.stack([chunk_noise(it.noise_seed, it.chunk_index, self.noise_shape)
+                                          for it in items]))
+
+    def _predict_ode(self, items: list[PredictItem]) -> list[Prediction]:
+        """The ``ode`` sampler's predictions, in order: the items with ``committed`` actions guided together (real-time
+        chunking), the others by the plain sampler, each group in one batch (so an unguided item's chunk is the one it
+        gets where nobody asks for guidance, and the others pay for no backward passes)."""
+        plain = [i for i, it in enumerate(items) if it.committed is None]
+        guided = [i for i, it in enumerate(items) if it.committed is not None]
+        guide = self._chunk_guide([items[i] for i in guided])  # a bad request fails before anything is computed
+        chunks: dict[int, np.ndarray] = {}
+        for indices, group_guide in ((plain, None), (guided, guide)):
+            if indices:
+                group = [items[i] for i in indices]
+                out = self.policy.predict_action_chunk(self.batch(group), noise=self._noise(group), guide=group_guide)
+                chunks.update(zip(indices, out.float().cpu().numpy(), strict=True))
+        return [Prediction(chunks[i], None, self.version) for i in range(len(items))]
+
+    def _chunk_guide(self, items: list[PredictItem]) -> ChunkGuide | None:
+        """The committed actions of ``items``, checked (a bad request names its field) and zero-padded to the chunk;
+        None for no items."""
+        import torch
+
+        from roboscale.models.rtc import ChunkGuide
+
+        if not items:
+            return None
+        horizon = self.noise_shape[0]
+        actions = np.zeros((len(items), horizon, self.action_width), dtype=np.float32)
+        counts = []
+        for row, item in zip(actions, items, strict=True):
+            committed = np.asarray(item.committed, dtype=np.float32)
+            if committed.ndim != 2 or committed.shape[0] > horizon or committed.shape[1] != self.action_width:
+                raise ValueError(f"committed has shape {list(committed.shape)}; expected [n, {self.action_width}] "
+                                 f"with n <= {horizon} (the chunk size)")
+            if not np.isfinite(committed).all():
+                raise ValueError("committed has non-finite values")
+            if not 0 <= item.delay <= len(committed):
+                raise ValueError(f"delay must be in [0, {len(committed)}] (the number of committed actions), "
+                                 f"got {item.delay}")
+            row[:len(committed)] = committed
+            counts.append(len(committed))
+        return ChunkGuide(torch.from_numpy(actions), torch.tensor(counts), torch.tensor([it.delay for it in items]),
+                          self.rtc_schedule, self.rtc_max_guidance)

@@ -34,6 +34,7 @@ from roboscale.rollout import messages
 from roboscale.rollout.episode import EpisodeJob, EpisodeResult
 from roboscale.rollout.inference import Prediction, PredictItem, RunnerSettings
 from roboscale.rollout.queues import ActionQueue
+from roboscale.rollout.remote import RemoteSettings
 from roboscale.rollout.trajectory import TrajectoryRecorder
 from roboscale.rollout.weights import decode_state
 
@@ -62,8 +63,8 @@ class WorkerSettings:
     """Built environments kept for reuse once their slots have moved to other tasks."""
     render_every_step: bool = False
     """Render cameras after every step, not only before the policy looks (a baseline)."""
-    local: RunnerSettings | None = None
-    """Predict inside this worker with this policy (no server)."""
+    local: RunnerSettings | RemoteSettings | None = None
+    """Predict inside this worker with this policy (no inference server), or through a remote policy server."""
     max_batch_size: int = 0
     """Predicting itself: observations per policy call at most (0: all of a request)."""
     heartbeat_s: float = 1.0
@@ -145,6 +146,8 @@ class _EnvWorker:
             self._close_env(slot)
         while self.spare:
             self._close(self.spare.pop())
+        if hasattr(self.local, "close"):  # a remote server's connections
+            self.local.close()
 
     def _advance(self, g: int, group: list[_Slot]) -> bool:
         """One step of the group's environments that have actions; when none has, one request for all of them.

@@ -8,6 +8,7 @@ median (sigma = ln(p99_ratio) / 2.326). The draws follow the episode's seed, so 
 without the wrapper.
 
     --env=roboscale.sim.latency:METAWORLD_LONG_TAIL     # MetaWorld, +20 ms median per step, p99 200 ms
+    --env=roboscale.sim.latency:METAWORLD_SLOW          # +100 ms median, p99 1 s: a LIBERO-class simulator elsewhere
 """
 
 from __future__ import annotations
@@ -71,11 +72,14 @@ def with_latency(spec: EnvSpec, latency: StepLatency, name: str) -> EnvSpec:
     return dataclasses.replace(spec, name=name, make=make)
 
 
-def _metaworld_long_tail() -> EnvSpec:
+def _metaworld_with(latency: StepLatency, name: str) -> EnvSpec:
     from roboscale.sim.metaworld import ENV_SPEC
 
-    return with_latency(ENV_SPEC, StepLatency(median_ms=20.0, p99_ratio=10.0), f"{__name__}:METAWORLD_LONG_TAIL")
+    return with_latency(ENV_SPEC, latency, f"{__name__}:{name}")
 
 
-METAWORLD_LONG_TAIL = _metaworld_long_tail()
+METAWORLD_LONG_TAIL = _metaworld_with(StepLatency(median_ms=20.0, p99_ratio=10.0), "METAWORLD_LONG_TAIL")
 """MetaWorld with a lognormal step latency of median 20 ms and p99 200 ms (mean ~33 ms)."""
+METAWORLD_SLOW = _metaworld_with(StepLatency(median_ms=100.0, p99_ratio=10.0), "METAWORLD_SLOW")
+"""MetaWorld with a lognormal step latency of median 100 ms and p99 1 s (mean ~163 ms): a simulator as slow as a
+LIBERO step on the CPU (~100-150 ms: docs/benchmarks.md), run on other machines."""

@@ -1,0 +1,285 @@
+"""`roboscale serve`: a policy behind openpi's websocket policy protocol, for robots and remote simulators.
+
+The protocol is openpi's (``openpi_client.WebsocketClientPolicy`` drives it unchanged): on connect the server sends
+its metadata (msgpack); each binary message is a msgpack-numpy observation (``rollout.wire``) and its answer a map
+with ``actions`` [chunk, action_dim] in the dataset's units plus ``server_timing``; a bad request is answered with
+a text frame (which the client raises) and the connection stays usable. ``GET /healthz`` answers 200.
+
+One process, two threads with one job each: the asyncio loop owns every connection (a slow, stalled or vanished
+client only ever blocks its own handler), and the model thread owns the policy, predicting the observations of all
+connections in dynamic batches (``rollout.batcher.DynamicBatcher``, the engine's own; each connection has at most
+one request in flight, so a batch goes as soon as every connection has asked). A chunk's noise is drawn from the
+request's ``seed`` and ``chunk_index`` alone (``rollout.noise``), so the same observation and seed give the same
+chunk whatever else shares its batch.
+
+Security: the server binds to loopback unless told; any other interface needs an API key, checked (in constant
+time) before the websocket handshake, so no model work is done for a client without it. Messages are size-limited
+and decoded without pickle; nothing a client sends names code. LeRobot's async inference sends pickles over gRPC,
+which is why it is not offered here (docs/architecture.md).
+
+Shutdown (SIGINT/SIGTERM, or ``stop()``): the listening socket closes, requests in flight are answered (up to
+``shutdown_grace_s``), requests that arrive meanwhile are refused with an error frame, then every connection is
+closed with 1001 (going away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import http
+import itertools
+import logging
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from roboscale.configs.serve import ServeConfig
+from roboscale.errors import ConfigError
+from roboscale.rollout.batcher import DynamicBatcher
+from roboscale.rollout.inference import Prediction, PredictItem, RunnerSettings, inference_threads
+from roboscale.rollout.remote import read_key, require_websockets
+from roboscale.rollout.wire import WireError, pack, unpack
+from roboscale.serve.observation import ObservationError, ObservationLayout
+
+log = logging.getLogger(__name__)
+
+HEALTH_PATH = "/healthz"
+MODEL_POLL_S = 0.5
+"""How often the model thread looks up from an empty queue to see whether the server is stopping."""
+
+
+@dataclass
+class _Answer:
+    prediction: Prediction
+    infer_ms: float
+    batch_size: int
+
+
+@dataclass
+class _Connection:
+    number: int
+    peer: str
+    opened: float = field(default_factory=time.monotonic)
+    requests: int = 0
+    errors: int = 0
+    busy_s: float = 0.0
+
+
+class PolicyServer:
+    """``PolicyServer(cfg).run()`` serves until SIGINT/SIGTERM (in the main thread) or ``stop()``."""
+
+    def __init__(self, cfg: ServeConfig, on_ready: Callable[[str, int], None] | None = None):
+        from roboscale.config import to_dict
+        from roboscale.eval.closed_loop import resolve_checkpoint
+        from roboscale.utils.io import sha256_file
+
+        self.cfg = cfg
+        require_websockets("roboscale serve")
+        if not cfg.checkpoint:
+            raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or "
+                              "pretrained_model)")
+        self.api_key = read_key(cfg.api_key_file, "--api_key_file") or None
+        if self.api_key is None and not cfg.loopback:
+            raise ConfigError(f"--host={cfg.host} listens beyond this machine: give --api_key_file (clients then "
+                              "send 'Authorization: Api-Key KEY'), or serve on 127.0.0.1")
+        checkpoint = resolve_checkpoint(cfg.checkpoint)
+        settings = RunnerSettings(str(checkpoint), cfg.device, inference_threads(cfg.threads, 1), "ode",
+                                  rtc_schedule=cfg.rtc_schedule, rtc_max_guidance=cfg.rtc_max_guidance)
+        self.runner = settings.build()  # a bad checkpoint fails here, before the port is opened
+        policy_cfg = self.runner.policy.config
+        self.layout = ObservationLayout.for_policy(policy_cfg, cfg.keys, cfg.key_map, cfg.rtc)
+        self.metadata = {
+            "server": "roboscale", "policy": self.runner.policy.name, "checkpoint": str(checkpoint),
+            "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"),
+            "policy_config": to_dict(policy_cfg), "n_action_steps": policy_cfg.n_action_steps,
+            "keys": self.layout.describe(), "rtc": cfg.rtc, "device": str(self.runner.device),
+        }
+        self.batcher = DynamicBatcher(self._predict, cfg.max_batch_size, cfg.batch_timeout_ms, producers=0)
+        self.on_ready = on_ready
+        self.address: tuple[str, int] | None = None
+        self._numbers = itertools.count(1)
+        self._connections: dict[Any, _Connection] = {}
+        self._in_flight = 0
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+
+    # --- lifetime -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until stopped; the model thread is joined before this returns."""
+        model = threading.Thread(target=self._serve_model, name="policy-model", daemon=True)
+        model.start()
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.batcher.close()  # answers whatever still waits, wakes the model thread
+            self._stop_requested.set()
+            model.join(timeout=30)
+
+    def stop(self) -> None:
+        """Stop from any thread (as SIGTERM does)."""
+        self._stop_requested.set()
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop has already closed
+                pass
+
+    async def _main(self) -> None:
+        from websockets.asyncio.server import serve
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if self._stop_requested.is_set():
+            return
+        signals = self._catch_signals()
+        try:
+            async with serve(self._handle, self.cfg.host, self.cfg.port, compression=None,
+                             max_size=int(self.cfg.max_message_mb * 2 ** 20),
+                             process_request=self._check_request) as server:
+                host, port = server.sockets[0].getsockname()[:2]
+                self.address = (host, port)
+                log.info("serving %s (%s) on ws://%s:%d%s", self.metadata["policy"], self.metadata["checkpoint"],
+                         host, port, "" if self.api_key is None else " (API key required)")
+                if self.on_ready is not None:
+                    self.on_ready(host, port)
+                await self._stop.wait()
+                await self._shut_down(server)
+        finally:
+            for signum in signals:
+                self._loop.remove_signal_handler(signum)
+
+    def _catch_signals(self) -> list[int]:
+        """SIGINT and SIGTERM stop the server cleanly (only the main thread's loop can catch them)."""
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        caught = []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(signum, self._stop.set)
+            caught.append(signum)
+        return caught
+
+    async def _shut_down(self, server: Any) -> None:
+        log.info("shutting down: %d connections, %d requests in flight", len(self._connections), self._in_flight)
+        server.close(close_connections=False)  # no new connections
+        self._draining = True
+        deadline = time.monotonic() + self.cfg.shutdown_grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.batcher.close()  # anything still waiting is answered with an error
+        await asyncio.gather(*(ws.close(1001, "server shutting down") for ws in list(self._connections)),
+                             return_exceptions=True)
+        await server.wait_closed()
+
+    # --- the model thread -----------------------------------------------------------------------------------
+    def _serve_model(self) -> None:
+        while not self._stop_requested.is_set():
+            self.batcher.run_once(timeout=MODEL_POLL_S)
+
+    def _predict(self, items: list[PredictItem]) -> list[_Answer]:
+        start = time.perf_counter()
+        predictions = self.runner.predict(items)
+        infer_ms = (time.perf_counter() - start) * 1000
+        return [_Answer(p, infer_ms, len(items)) for p in predictions]
+
+    # --- connections ----------------------------------------------------------------------------------------
+    def _check_request(self, connection: Any, request: Any) -> Any:
+        """Before the handshake: the health check, and the API key (a refused client costs no model work)."""
+        if request.path == HEALTH_PATH:
+            return connection.respond(http.HTTPStatus.OK, "OK\n")
+        if self.api_key is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Api-Key {self.api_key}".encode()):
+                log.warning("refused %s: %s API key", _peer(connection), "a wrong" if given else "no")
+                return connection.respond(http.HTTPStatus.UNAUTHORIZED,
+                                          "an API key is required: send 'Authorization: Api-Key KEY'\n")
+        return None
+
+    async def _handle(self, ws: Any) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        info = _Connection(next(self._numbers), _peer(ws))
+        self._connections[ws] = info
+        self.batcher.set_producers(len(self._connections))
+        log.info("connection %d from %s opened", info.number, info.peer)
+        try:
+            await ws.send(pack(self.metadata))
+            async for message in ws:
+                reply = await self._answer(message, info)
+                await ws.send(reply)
+        except ConnectionClosed:
+            pass
+        finally:
+            del self._connections[ws]
+            self.batcher.set_producers(len(self._connections))
+            mean = info.busy_s / info.requests * 1000 if info.requests else 0.0
+            log.info("connection %d from %s closed (%s): %d requests, %d errors, mean %.1f ms", info.number,
+                     info.peer, ws.close_code, info.requests, info.errors, mean)
+
+    async def _answer(self, message: str | bytes, info: _Connection) -> str | bytes:
+        """The reply to one message: packed actions, or an error text frame (the connection goes on)."""
+        start = time.perf_counter()
+        info.requests += 1
+        try:
+            if isinstance(message, str):
+                raise ObservationError("send observations as binary msgpack frames, not text")
+            if self._draining:
+                raise ObservationError("the server is shutting down")
+            item = self.layout.parse(unpack(message), default_seed=secrets.randbits(63))
+            answer = await self._infer(item)
+        except (WireError, ObservationError, ValueError) as exc:
+            info.errors += 1
+            log.info("connection %d: refused a request: %s", info.number, exc)
+            return f"error: {exc}"
+        except Exception as exc:  # the model failed on this batch: the client hears why, the server goes on
+            info.errors += 1
+            log.exception("connection %d: prediction failed", info.number)
+            return f"error: prediction failed ({type(exc).__name__}: {exc})"
+        total_ms = (time.perf_counter() - start) * 1000
+        info.busy_s += total_ms / 1000
+        return pack({"actions": np.asarray(answer.prediction.chunk, dtype=np.float32),
+                     "seed": item.noise_seed, "policy_version": answer.prediction.version,
+                     "server_timing": {"infer_ms": answer.infer_ms, "total_ms": total_ms,
+                                       "batch_size": answer.batch_size}})
+
+    async def _infer(self, item: PredictItem) -> _Answer:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(outputs: list[_Answer] | None, error: BaseException | None) -> None:
+            """On the model thread: hand the outcome to the loop (whose handler may have gone meanwhile)."""
+            def resolve() -> None:
+                if not future.done():
+                    future.set_exception(error) if error is not None else future.set_result(outputs[0])
+            try:
+                loop.call_soon_threadsafe(resolve)
+            except RuntimeError:  # the loop is closed: nobody waits for it
+                pass
+
+        self._in_flight += 1
+        try:
+            self.batcher.submit([item], settle)
+            return await future
+        finally:
+            self._in_flight -= 1
+
+
+def _peer(connection: Any) -> str:
+    address = getattr(connection, "remote_address", None)
+    return f"{address[0]}:{address[1]}" if address else "?"
+
+
+def serve_policy(cfg: ServeConfig) -> None:
+    """`roboscale serve`: build the server (a bad checkpoint or option fails before the port opens) and run it."""
+    def ready(host: str, port: int) -> None:
+        print(f"serving on ws://{host}:{port} (health: http://{host}:{port}{HEALTH_PATH}); Ctrl-C stops",
+              flush=True)
+
+    PolicyServer(cfg, on_ready=ready).run()

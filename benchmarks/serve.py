@@ -83,7 +83,7 @@ def start_server(checkpoint: Path, device: str, threads: int, max_batch: int) ->
         [sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0", f"--device={device}",
          f"--threads={threads}", f"--max_batch_size={max_batch}"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "OMP_WAIT_POLICY": "passive", "ROBOSCALE_LOG": "WARNING"})
+        env={**os.environ, "ROBOSCALE_LOG": "WARNING"})
     line = process.stdout.readline()
     if not line.startswith("serving on "):
         process.kill()
@@ -181,11 +181,12 @@ def main() -> None:
         one = rows[("server", 1)]
         p99 = percentile(one["latencies"], 99)
         step_ms = 1000 / ROBOT_HZ
+        steps = math.ceil(p99 / step_ms)
         print(f"\nA robot at {ROBOT_HZ} Hz with {ROBOT_CHUNK}-step chunks ({ROBOT_CHUNK * step_ms:.0f} ms per chunk), "
-              f"one client: p99 {p99:.0f} ms = {math.ceil(p99 / step_ms)} control steps. Inferring synchronously "
+              f"one client: p99 {p99:.0f} ms = {steps} control step{'s' * (steps != 1)}. Inferring synchronously "
               f"it pauses {p99:.0f} ms per chunk ({p99 / (ROBOT_CHUNK * step_ms):.0%} of its time); asking "
-              f"{math.ceil(p99 / step_ms)} steps before the chunk ends (--rtc with delay "
-              f"{math.ceil(p99 / step_ms)}) it never pauses. With 16 robots on one server: p99 "
+              f"{steps} step{'s' * (steps != 1)} before the chunk ends (--rtc with delay {steps}) it never pauses. "
+              f"With 16 robots on one server: p99 "
               f"{percentile(rows[('server', 16)]['latencies'], 99):.0f} ms.")
 
 

@@ -116,6 +116,14 @@ def test_save_then_load_gives_identical_actions(tmp_path):
     torch.testing.assert_close(loaded.action_normalizer.q01, policy.action_normalizer.q01)
 
 
+def test_the_same_weights_are_saved_as_the_same_bytes(tmp_path):
+    """Eval reports and the policy server identify weights by the file's sha256 (with a metadata map of two keys,
+    safetensors' hash order made two saves differ in 1 of 2 tries)."""
+    policy = tiny_policy()
+    saved = {(policy.save_pretrained(tmp_path / str(i)) / "model.safetensors").read_bytes() for i in range(6)}
+    assert len(saved) == 1
+
+
 def test_checkpoint_of_another_policy_type_is_refused(tmp_path):
     policy = tiny_policy()
     policy.save_pretrained(tmp_path / "ckpt")

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from roboscale.configs.eval import EvalConfig
 from roboscale.configs.rollout import RolloutConfig
@@ -49,22 +50,30 @@ def test_remote_inference_ends_every_episode_as_local_inference(checkpoint, tmp_
 
 def test_what_is_evaluated_comes_from_the_server(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("ROBOSCALE_FAKE_ENV_MARKERS", str(tmp_path))
-    other = tmp_path / "other" / "pretrained_model"
-    tiny_policy(chunk_size=8).save_pretrained(other)
+    other_config = tmp_path / "other-config" / "pretrained_model"
+    tiny_policy(chunk_size=8).save_pretrained(other_config)  # the same weights (none depends on the chunk size)
+    other_weights = tiny_policy()
+    with torch.no_grad():
+        next(other_weights.parameters()).add_(1.0)
+    other_weights.save_pretrained(tmp_path / "other-weights" / "pretrained_model")
     with served(checkpoint=checkpoint) as (_, url):
         # the command, in a fresh interpreter: the policy's config type is known from the metadata alone
         run = subprocess.run([sys.executable, "-m", "roboscale", "eval", f"--rollout.server={url}", f"--env={FAKE}",
-                              "--tasks=[reach]", "--episodes=2", "--max_steps=10", "--rollout.workers=1", "--videos_per_task=0",
+                              "--tasks=[reach]", "--episodes=2", "--max_steps=10", "--rollout.workers=1",
                               f"--output_dir={tmp_path / 'cli'}"], capture_output=True, text=True, timeout=300,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
         assert run.returncode == 0, run.stderr[-2000:]
         assert json.loads((tmp_path / "cli" / "report.json").read_text())["server"] == url
+        assert list((tmp_path / "cli").rglob("*.mp4"))  # the fake env has no video camera: the policy's first one
         rollout = RolloutConfig(workers=1, envs_per_worker=1, server=url)
         with pytest.raises(ConfigError, match="--output_dir is required with --rollout.server"):
             evaluate(EvalConfig(env=FAKE, tasks=["reach"], episodes=1, rollout=rollout), progress=False)
-        with pytest.raises(ConfigError, match="is not the policy .* serves"):
-            evaluate(EvalConfig(checkpoint=str(other), env=FAKE, tasks=["reach"], episodes=1, rollout=rollout,
-                                output_dir=str(tmp_path / "eval")), progress=False)
+        for other, differ in (("other-config", "configs"), ("other-weights", "weights")):
+            with pytest.raises(ConfigError, match=f"is not the policy .* serves .*: their {differ} differ"):
+                evaluate(EvalConfig(checkpoint=str(tmp_path / other), env=FAKE, tasks=["reach"], episodes=1,
+                                    rollout=rollout, output_dir=str(tmp_path / "eval")), progress=False)
+        evaluate(EvalConfig(checkpoint=checkpoint, env=FAKE, tasks=["reach"], episodes=1, rollout=rollout,
+                            videos_per_task=0, output_dir=str(tmp_path / "same")), progress=False)  # its own: runs
     with pytest.raises(ConfigError, match="--rollout.server must be a ws://HOST:PORT address"):
         RolloutConfig(server="http://127.0.0.1:8000")
     with pytest.raises(ConfigError, match="--rollout.sampler=sde needs the policy here"):

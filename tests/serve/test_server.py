@@ -317,3 +317,20 @@ def test_real_time_chunking_guides_the_next_chunk_to_the_committed_actions(check
                                   ({"delay": 1}, "'delay' was sent without 'committed'")):
                 reply = ask(ws, observation(seed=2, **bad))
                 assert isinstance(reply, str) and expected in reply, reply
+
+
+def test_a_groot_checkpoint_is_served_the_same_way(tmp_path):
+    from tests.models.test_groot import tiny_groot
+
+    path = tmp_path / "groot" / "pretrained_model"
+    tiny_groot().save_pretrained(path)
+    with served(checkpoint=str(path), rtc=True) as (_, url):
+        ws, metadata = client(url)
+        with ws:
+            assert metadata["policy"] == "groot"
+            first = ask(ws, observation(seed=4, size=(48, 40)))["actions"]
+            assert first.shape == (metadata["policy_config"]["chunk_size"], 4)
+            assert np.array_equal(ask(ws, observation(seed=4, size=(48, 40)))["actions"], first)
+            guided = ask(ws, observation(seed=5, committed=first[2:], delay=1))["actions"]
+            naive = ask(ws, observation(seed=5))["actions"]
+            assert np.abs(guided[0] - first[2]).mean() < 0.2 * np.abs(naive[0] - first[2]).mean()

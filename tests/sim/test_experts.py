@@ -24,10 +24,12 @@ def test_reset_with_a_seed_reproduces_the_scene():
     assert first["images"]["corner2"].shape == (32, 32, 3) and first["images"]["corner2"].std() > 5  # not black
 
 
-def test_generating_one_expert_episode_writes_a_readable_dataset(tmp_path):
+def test_generating_one_expert_episode_writes_a_readable_dataset(tmp_path, caplog):
     cfg = GenerateConfig(tasks=["button-press-topdown"], episodes_per_task=1, out=str(tmp_path / "ds"), image_size=32,
                          workers=1, steps_after_success=2)
-    generate_dataset(cfg)
+    with caplog.at_level("INFO", logger="roboscale.sim.experts"):
+        generate_dataset(cfg)
+    assert "button-press-topdown-v3: 1/1 (100%)" in caplog.text  # the expert's success per task
     ds = LeRobotDataset(root=tmp_path / "ds")
     assert ds.num_episodes == 1 and ds.meta.fps == 80
     assert ds.meta.task_list == ["Press a button from the top"]

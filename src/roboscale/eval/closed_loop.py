@@ -58,7 +58,6 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
 
     spec = env_spec(cfg.env)
     tasks = spec.tasks_or_default(cfg.tasks)
-    video_camera = cfg.video_camera or spec.video_camera
     instructions = {spec.resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
     if cfg.rollout.server:  # the policy is served elsewhere: what it is comes from the server
         policy_cfg, policy_name, checkpoint, checkpoint_sha256 = _served_policy(cfg)
@@ -70,6 +69,9 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         policy_cfg, policy_name = policy.config, policy.name
         checkpoint_sha256 = sha256_file(checkpoint / "model.safetensors")
         del policy
+    # an env without a camera of its own for videos shows the policy's first one
+    video_camera = (cfg.video_camera or spec.video_camera
+                    or next((k.removeprefix("observation.images.") for k in policy_cfg.image_keys), ""))
     env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
     _check_cameras(spec, tasks[0], env_options, checkpoint)
     cameras, image_size = env_options["cameras"], env_options["image_size"]
@@ -129,6 +131,7 @@ def _served_policy(cfg: EvalConfig) -> tuple[Any, str, str, str]:
     from the metadata it sends on connect; ConfigError when --output_dir is missing or --checkpoint disagrees."""
     from roboscale.config import from_dict
     from roboscale.models.config import PolicyConfig
+    from roboscale.models.policy import read_policy_config
     from roboscale.models.registry import get_spec
     from roboscale.rollout.remote import connect, read_key
 
@@ -139,11 +142,15 @@ def _served_policy(cfg: EvalConfig) -> tuple[Any, str, str, str]:
     ws.close()
     get_spec(metadata["policy"])  # a type this roboscale knows (the registry's import made each selectable)
     policy_cfg = from_dict(PolicyConfig, dict(metadata["policy_config"]), where=f"{cfg.rollout.server} metadata")
-    if cfg.checkpoint:
-        local = sha256_file(resolve_checkpoint(cfg.checkpoint) / "model.safetensors")
-        if local != metadata["checkpoint_sha256"]:
+    if cfg.checkpoint:  # the same weights with another config (chunk size, steps) act differently too
+        local_dir = resolve_checkpoint(cfg.checkpoint)
+        local_cfg = from_dict(PolicyConfig, read_policy_config(local_dir), where=str(local_dir / "config.json"))
+        differ = [what for what, same in (
+            ("weights", sha256_file(local_dir / "model.safetensors") == metadata["checkpoint_sha256"]),
+            ("configs", to_dict(local_cfg) == to_dict(policy_cfg))) if not same]
+        if differ:
             raise ConfigError(f"--checkpoint={cfg.checkpoint} is not the policy {cfg.rollout.server} serves "
-                              f"({metadata['checkpoint']}): their weights differ")
+                              f"({metadata['checkpoint']}): their {' and '.join(differ)} differ")
     return policy_cfg, metadata["policy"], metadata["checkpoint"], metadata["checkpoint_sha256"]
 
 

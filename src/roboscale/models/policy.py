@@ -241,7 +241,9 @@ class Policy(nn.Module):
         state = {k: v.detach().contiguous().cpu()
                  for k, v in (self.state_dict() if state_dict is None else state_dict).items()}
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
-            save_file(state, str(tmp), metadata={"format": "pt", "type": self.name})
+            # one metadata key, as LeRobot writes: safetensors writes the map in hash order, so with two keys the
+            # same weights saved twice differ byte for byte (and in the sha256 that eval and serve identify them by)
+            save_file(state, str(tmp), metadata={"format": "pt"})
         if self.tokenizer is not None:
             self.tokenizer.save(directory / TOKENIZER_NAME)
         return directory

@@ -5,10 +5,11 @@ its metadata (msgpack); each binary message is a msgpack-numpy observation (``ro
 with ``actions`` [chunk, action_dim] in the dataset's units plus ``server_timing``; a bad request is answered with
 a text frame (which the client raises) and the connection stays usable. ``GET /healthz`` answers 200.
 
-One process, two threads with one job each: the asyncio loop owns every connection (a slow, stalled or vanished
-client only ever blocks its own handler), and the model thread owns the policy, predicting the observations of all
-connections in dynamic batches (``rollout.batcher.DynamicBatcher``, the engine's own; each connection has at most
-one request in flight, so a batch goes as soon as every connection has asked). A chunk's noise is drawn from the
+One process, two threads with one job each: the asyncio loop (a thread of its own) owns every connection (a slow,
+stalled or vanished client only ever blocks its own handler), and the thread that calls ``run`` (the main one)
+owns the policy, predicting the observations of all connections in dynamic batches
+(``rollout.batcher.DynamicBatcher``, the engine's own; each connection has at most one request in flight, so a
+batch goes as soon as every connection has asked). A chunk's noise is drawn from the
 request's ``seed`` and ``chunk_index`` alone (``rollout.noise``), so the same observation and seed give the same
 chunk whatever else shares its batch.
 
@@ -113,15 +114,34 @@ class PolicyServer:
 
     # --- lifetime -------------------------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until stopped; the model thread is joined before this returns."""
-        model = threading.Thread(target=self._serve_model, name="policy-model", daemon=True)
-        model.start()
+        """Serve until SIGINT/SIGTERM (when called on the main thread) or ``stop()``; returns once the websocket
+        thread has shut down (requests in flight answered) and the batcher is closed."""
+        failure: list[BaseException] = []
+
+        def websockets_main() -> None:
+            try:
+                asyncio.run(self._main())
+            except BaseException as exc:  # re-raised on the calling thread: a port in use is the caller's error
+                failure.append(exc)
+            finally:
+                self.batcher.close()  # answers whatever still waits and wakes the model loop below
+
+        connections = threading.Thread(target=websockets_main, name="policy-websockets", daemon=True)
+        previous = self._catch_signals()
+        connections.start()
         try:
-            asyncio.run(self._main())
+            # the model on the calling thread, the thread that built it: OpenMP keeps one thread team per thread
+            # that runs parallel work, and a second team would share the cores with the first one's (measured
+            # here: a demo-size pi0.5 chunk 16 ms on the thread that built the policy, 50 ms on another, 2 cores)
+            while self.batcher.run_once(timeout=MODEL_POLL_S) or not self.batcher.closed:
+                pass
         finally:
-            self.batcher.close()  # answers whatever still waits, wakes the model thread
-            self._stop_requested.set()
-            model.join(timeout=30)
+            self.stop()
+            connections.join(timeout=self.cfg.shutdown_grace_s + 30)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if failure:
+            raise failure[0]
 
     def stop(self) -> None:
         """Stop from any thread (as SIGTERM does)."""
@@ -139,32 +159,24 @@ class PolicyServer:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested.is_set():
             return
-        signals = self._catch_signals()
-        try:
-            async with serve(self._handle, self.cfg.host, self.cfg.port, compression=None,
-                             max_size=int(self.cfg.max_message_mb * 2 ** 20),
-                             process_request=self._check_request) as server:
-                host, port = server.sockets[0].getsockname()[:2]
-                self.address = (host, port)
-                log.info("serving %s (%s) on ws://%s:%d%s", self.metadata["policy"], self.metadata["checkpoint"],
-                         host, port, "" if self.api_key is None else " (API key required)")
-                if self.on_ready is not None:
-                    self.on_ready(host, port)
-                await self._stop.wait()
-                await self._shut_down(server)
-        finally:
-            for signum in signals:
-                self._loop.remove_signal_handler(signum)
+        async with serve(self._handle, self.cfg.host, self.cfg.port, compression=None,
+                         max_size=int(self.cfg.max_message_mb * 2 ** 20),
+                         process_request=self._check_request) as server:
+            host, port = server.sockets[0].getsockname()[:2]
+            self.address = (host, port)
+            log.info("serving %s (%s) on ws://%s:%d%s", self.metadata["policy"], self.metadata["checkpoint"],
+                     host, port, "" if self.api_key is None else " (API key required)")
+            if self.on_ready is not None:
+                self.on_ready(host, port)
+            await self._stop.wait()
+            await self._shut_down(server)
 
-    def _catch_signals(self) -> list[int]:
-        """SIGINT and SIGTERM stop the server cleanly (only the main thread's loop can catch them)."""
+    def _catch_signals(self) -> dict[int, Any]:
+        """SIGINT and SIGTERM stop the server cleanly (only the main thread can catch them); the handlers they
+        replace, to put back."""
         if threading.current_thread() is not threading.main_thread():
-            return []
-        caught = []
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._loop.add_signal_handler(signum, self._stop.set)
-            caught.append(signum)
-        return caught
+            return {}
+        return {signum: signal.signal(signum, lambda *_: self.stop()) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     async def _shut_down(self, server: Any) -> None:
         log.info("shutting down: %d connections, %d requests in flight", len(self._connections), self._in_flight)
@@ -179,10 +191,6 @@ class PolicyServer:
         await server.wait_closed()
 
     # --- the model thread -----------------------------------------------------------------------------------
-    def _serve_model(self) -> None:
-        while not self._stop_requested.is_set():
-            self.batcher.run_once(timeout=MODEL_POLL_S)
-
     def _predict(self, items: list[PredictItem]) -> list[_Answer]:
         start = time.perf_counter()
         predictions = self.runner.predict(items)

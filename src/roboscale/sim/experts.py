@@ -152,7 +152,7 @@ def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:
                 kept += 1
     finally:
         env.close()
-    queue.put(("done", task, None))
+    queue.put(("done", task, attempt))
 
 
 def cameras_of(cfg: GenerateConfig, spec: EnvSpec) -> dict[str, str]:
@@ -160,11 +160,10 @@ def cameras_of(cfg: GenerateConfig, spec: EnvSpec) -> dict[str, str]:
     return dict(cfg.cameras) if cfg.cameras else dict(spec.default_cameras)
 
 
-def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None]]:
-    """Yield ``(task, episode)`` as worker processes produce them, and ``(task, None)`` when a task is finished.
-
-    Failed expert attempts are dropped in the workers (counted in ``Episode``-less form by the caller via
-    attempts). Tasks are spread over ``cfg.workers`` processes; each task's episodes arrive in seed order.
+def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | int]]:
+    """Yield ``(task, episode)`` as worker processes produce them, and ``(task, attempts)`` when a task is finished
+    (the expert's attempts it took: failed ones are dropped in the workers). Tasks are spread over ``cfg.workers``
+    processes; each task's episodes arrive in seed order.
     """
     tasks = env_spec(cfg.env).tasks_or_default(cfg.tasks)
     ctx = mp.get_context("spawn")  # fork is unsafe with an EGL context / OpenMP threads in the parent
@@ -184,7 +183,7 @@ def generate_episodes(cfg: GenerateConfig) -> Iterator[tuple[str, Episode | None
                 yield task, payload
             elif kind == "done":
                 running.pop(task).join()
-                yield task, None
+                yield task, payload
             else:
                 raise RoboscaleError(f"demonstrations for {task}: {payload}")
     finally:
@@ -229,12 +228,12 @@ def generate_dataset(cfg: GenerateConfig) -> Path:
         video_codec=cfg.video_codec,
     )
     waiting: dict[str, list[Episode]] = {t: [] for t in tasks}
-    finished: set[str] = set()
+    attempts: dict[str, int] = {}
     next_task = 0
     with tqdm(total=len(tasks) * cfg.episodes_per_task, desc="expert demos", unit="ep") as bar:
         for task, episode in generate_episodes(cfg):
-            if episode is None:
-                finished.add(task)
+            if isinstance(episode, int):
+                attempts[task] = episode
             else:
                 waiting[task].append(episode)
                 bar.update(1)
@@ -244,9 +243,12 @@ def generate_dataset(cfg: GenerateConfig) -> Path:
                 for ready in waiting[current]:
                     writer.add_episode(ready.frames, task=ready.description)
                 waiting[current] = []
-                if current not in finished:
+                if current not in attempts:
                     break
                 next_task += 1
     writer.finalize()
-    log.info("wrote %d tasks x %d episodes to %s", len(tasks), cfg.episodes_per_task, out)
+    log.info("wrote %d tasks x %d episodes to %s; the expert's success per task (demos kept / attempts):\n%s",
+             len(tasks), cfg.episodes_per_task, out, "\n".join(
+                 f"  {task}: {cfg.episodes_per_task}/{attempts[task]} ({cfg.episodes_per_task / attempts[task]:.0%})"
+                 for task in tasks))
     return out

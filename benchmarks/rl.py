@@ -12,7 +12,8 @@ gain only from computing the gradients of finished groups while others still run
 - idle shares: the simulators' (no rollout running: the next one waiting for its turn or for fresh enough weights;
   the tail of a rollout, where environments that finished wait for its slowest episode, is not counted: it shows in
   env-steps/s), and the trainer's (waiting for trajectories);
-- success of the rollouts' episodes (Wilson 95%), the staleness the run had (mean, max), and its final loss.
+- success of the rollouts' episodes (Wilson 95%), over the run and over its second half of rollouts (after
+  the same number of episodes in every mode: the sample-efficiency comparison), the staleness the run had (mean, max), and its final loss.
 
 On 2 CPU cores the levels share the cores (the trainer's gradients slow the simulators down), so the gain here is
 a lower bound of the overlap on separate devices. The supervised checkpoint is trained first (as in
@@ -59,7 +60,11 @@ def run(name: str, args: list[str], out: Path) -> dict[str, float]:
     episodes = sum(r["episodes"] for r in rollouts)
     successes = sum(r["success"] for r in rollouts)
     low, high = wilson(successes, episodes)
-    return {"wall": wall, "env_steps_s": env_steps / wall, "samples_s": episodes / wall,
+    late = sorted(rollouts, key=lambda r: r["started"])[len(rollouts) // 2:]  # sample efficiency: after as many
+    late_successes, late_episodes = sum(r["success"] for r in late), sum(r["episodes"] for r in late)  # env steps
+    late_low, late_high = wilson(late_successes, late_episodes)
+    return {"late": late_successes / late_episodes, "late_low": late_low, "late_high": late_high,
+            "late_episodes": late_episodes, "wall": wall, "env_steps_s": env_steps / wall, "samples_s": episodes / wall,
             "sim_idle": sum(r["driver_wait_s"] for r in rollouts) / span,
             "trainer_idle": sum(r["trainer_wait_s"] for r in rollouts) / span,
             "success": successes / episodes, "low": low, "high": high, "episodes": episodes,
@@ -100,14 +105,15 @@ def main() -> None:
     sync = results.get("sync")
     print(f"\n`roboscale {' '.join(common)}`, per mode:\n")
     print("| mode | wall | env-steps/s | trainer episodes/s | vs sync | simulators idle | trainer idle | "
-          "staleness mean/max | rollout success (95% CI) | final loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "staleness mean/max | rollout success (95% CI) | last half's rollouts | final loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         ratio = f"{r['env_steps_s'] / sync['env_steps_s']:.2f}x" if sync else "-"
         print(f"| {name} | {r['wall'] / 60:.1f} min | {r['env_steps_s']:.1f} | {r['samples_s']:.3f} | {ratio} | "
               f"{r['sim_idle']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['staleness']:.2f}/{r['staleness_max']} | {r['success']:.0%} ({r['low']:.0%}-{r['high']:.0%}, "
-              f"n={r['episodes']}) | {r['loss']:.4f} |")
+              f"n={r['episodes']}) | {r['late']:.0%} ({r['late_low']:.0%}-{r['late_high']:.0%}, "
+              f"n={r['late_episodes']}) | {r['loss']:.4f} |")
 
 
 if __name__ == "__main__":

@@ -184,14 +184,18 @@ def policy_env_options(spec: Any, policy_cfg: Any, checkpoint: Path, max_steps: 
             "state_feature": policy_cfg.state_key, "options": spec.parse_options(options or {})}
 
 
-def policy_env_setup(spec: Any, tasks: list[str], policy_cfg: Any, checkpoint: Path, max_steps: int,
+def policy_env_setup(env: str, tasks: list[str], policy_cfg: Any, checkpoint: Path, max_steps: int,
                      env_options: dict[str, Any] | None = None) -> Any:
-    """The rollout engine's ``EnvSetup`` for this policy (no videos), its cameras checked in one environment."""
+    """The rollout engine's ``EnvSetup`` for this policy in ``env`` (the name the user gave, which the workers
+    resolve again: an adapter's own ``name`` need not be resolvable), no videos, its cameras checked in one
+    environment."""
     from roboscale.rollout.engine import EnvSetup
+    from roboscale.sim.env import env_spec
 
+    spec = env_spec(env)
     options = policy_env_options(spec, policy_cfg, checkpoint, max_steps, options=env_options)
     _check_cameras(spec, tasks[0], options, checkpoint)
-    return EnvSetup(spec.name, str(checkpoint), policy_cfg.n_action_steps, options)
+    return EnvSetup(env, str(checkpoint), policy_cfg.n_action_steps, options)
 
 
 def _check_cameras(spec: Any, task: str, env_options: dict, checkpoint: Path) -> None:

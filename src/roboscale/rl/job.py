@@ -174,6 +174,5 @@ def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_confi
     """The environments the rollouts run in, as evaluation builds them for this policy (its cameras, image size
     and state feature), with RL's episode limit."""
     from roboscale.eval.closed_loop import policy_env_setup
-    from roboscale.sim.env import env_spec
 
-    return policy_env_setup(env_spec(cfg.env), tasks, policy_config, checkpoint, cfg.rl.max_steps, cfg.env_options)
+    return policy_env_setup(cfg.env, tasks, policy_config, checkpoint, cfg.rl.max_steps, cfg.env_options)

@@ -3,6 +3,7 @@ import pytest
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.data import LeRobotDataset
+from roboscale.errors import ConfigError
 from roboscale.sim.experts import generate_dataset
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig, resolve_tasks
 
@@ -30,6 +31,8 @@ def test_generating_one_expert_episode_writes_a_readable_dataset(tmp_path, caplo
     with caplog.at_level("INFO", logger="roboscale.sim.experts"):
         generate_dataset(cfg)
     assert "button-press-topdown-v3: 1/1 (100%)" in caplog.text  # the expert's success per task
+    with pytest.raises(ConfigError, match="--episodes_per_task must be a positive integer, got 0"):
+        GenerateConfig(episodes_per_task=0)
     ds = LeRobotDataset(root=tmp_path / "ds")
     assert ds.num_episodes == 1 and ds.meta.fps == 80
     assert ds.meta.task_list == ["Press a button from the top"]

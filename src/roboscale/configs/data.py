@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from roboscale.errors import ConfigError
+
 
 @dataclass
 class GenerateConfig:
@@ -57,6 +59,10 @@ class GenerateConfig:
     """Parallel worker processes (one env each, a task at a time)."""
     video_codec: str = "libsvtav1"
     """Video codec for the mp4 files (libsvtav1 as LeRobot; libx264 also works)."""
+
+    def __post_init__(self) -> None:
+        if self.episodes_per_task < 1:  # (roboscale demo: --data.episodes_per_task)
+            raise ConfigError(f"--episodes_per_task must be a positive integer, got {self.episodes_per_task}")
 
 
 @dataclass

@@ -152,11 +152,6 @@ class DynamicBatcher:
         error = WorkerError("the batcher is closed")
         _call_all([(request.reply, None, error) for request in left if not request.failed])
 
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` was called (``run_once`` then returns False at once)."""
-        return self._closed
-
     def stats(self) -> BatcherStats:
         """The counts so far (a copy)."""
         with self._changed:

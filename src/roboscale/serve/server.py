@@ -51,8 +51,6 @@ from roboscale.serve.observation import ObservationError, ObservationLayout
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/healthz"
-MODEL_POLL_S = 0.5
-"""How often the model thread looks up from an empty queue to see whether the server is stopping."""
 
 
 @dataclass
@@ -131,9 +129,10 @@ class PolicyServer:
         connections.start()
         try:
             # the model on the calling thread, the thread that built it: OpenMP keeps one thread team per thread
-            # that runs parallel work, and a second team would share the cores with the first one's (measured
-            # here: a demo-size pi0.5 chunk 16 ms on the thread that built the policy, 50 ms on another, 2 cores)
-            while self.batcher.run_once(timeout=MODEL_POLL_S) or not self.batcher.closed:
+            # that runs parallel work, and a second team would share the cores with the first one's (the server
+            # ran at 0.31x of in-process chunks/s that way: docs/benchmarks.md, "The policy server").
+            # run_once waits without a timeout: it returns False only once the websocket thread closed the batcher.
+            while self.batcher.run_once():
                 pass
         finally:
             self.stop()
@@ -190,7 +189,7 @@ class PolicyServer:
                              return_exceptions=True)
         await server.wait_closed()
 
-    # --- the model thread -----------------------------------------------------------------------------------
+    # --- the model (on the thread that calls run) ----------------------------------------------------------
     def _predict(self, items: list[PredictItem]) -> list[_Answer]:
         start = time.perf_counter()
         predictions = self.runner.predict(items)

@@ -208,8 +208,8 @@ def _export(argv: list[str]) -> None:
 
     cfg = parse(ExportConfig, argv, prog="roboscale export", positional=("checkpoint",))
     if not cfg.checkpoint or not cfg.output:
-        raise ConfigError("usage: roboscale export CHECKPOINT --output DIR")
-    print(f"exported to {export_checkpoint(cfg.checkpoint, cfg.output)}")
+        raise ConfigError("usage: roboscale export CHECKPOINT --output DIR [--format=roboscale|lerobot]")
+    print(f"exported to {export_checkpoint(cfg.checkpoint, cfg.output, cfg.format)}")
 
 
 def _plan(argv: list[str]) -> None:

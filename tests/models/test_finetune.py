@@ -181,30 +181,34 @@ def test_cameras_take_the_checkpoints_image_slots(tmp_path, tiny_dataset, meta):
         policy_for_finetuning(GrootConfig(pretrained_path=str(tmp_path / "one")), meta)
 
 
-def test_a_lerobot_pi05_checkpoint_is_fine_tuned(tmp_path, tiny_dataset, meta, monkeypatch):
-    from tests.models.test_pi05_lerobot import write_lerobot_checkpoint
+def test_a_lerobot_pi05_checkpoint_is_fine_tuned(tiny_dataset, meta, monkeypatch):
+    """The checkpoint LeRobot 0.4.4 saved (tests/fixtures/lerobot-pi05-tiny) on a dataset narrower than it (4 of its
+    8 state and 7 action values, cameras of other names): LeRobot's weights, the dataset's widths and statistics,
+    LeRobot's prompt (the state zero-padded to 32 before it is digitized) and loss (over the dataset's dimensions)."""
+    from tests.oracles.lerobot_oracle import FIXTURE, use_sizes
 
-    torch.manual_seed(0)
-    architecture = {"state_input": "prompt", "vit_conv_stem": False}
-    base = build_policy(tiny("pi05", **architecture), checkpoint_meta())
-    write_lerobot_checkpoint(base, tmp_path / "lerobot")
-    # LeRobot's config.json names the full-size Gemma variants; read it as the tiny architecture these weights have
-    monkeypatch.setattr("roboscale.models.pi05.lerobot.config_from_lerobot",
-                        lambda config, where: dataclasses.replace(base.config, n_action_steps=5))
-    policy = policy_for_finetuning(Pi05Config(pretrained_path=str(tmp_path / "lerobot")), meta)
-    assert policy.config.n_action_steps == 5 and policy.config.dataset_action_dim == 4
+    use_sizes(monkeypatch)
+    base = Policy.from_pretrained(FIXTURE / "pretrained_model", tokenizer_path=FIXTURE / "tokenizer.json")
+    policy = policy_for_finetuning(Pi05Config(pretrained_path=str(FIXTURE / "pretrained_model"), n_action_steps=5,
+                                              tokenizer_path=str(FIXTURE / "tokenizer.json")), meta)
+    cfg = policy.config
+    assert (cfg.n_action_steps, cfg.dataset_state_dim, cfg.dataset_action_dim) == (5, 4, 4)
+    assert cfg.image_keys == ["observation.images.corner2", "observation.images.wrist"]  # on LeRobot's two slots
     for name, value in base.state_dict().items():
         if not is_normalizer(name):
             torch.testing.assert_close(policy.state_dict()[name], value, rtol=0, atol=0, msg=name)
     transform, _ = policy.data_transforms()
     raw = dataset_samples(tiny_dataset, policy, frames=(3,))[0]
     sample = transform(dict(raw))
-    # the state is padded for the model, but the prompt carries the dataset's 4 values only (as openpi writes it)
-    assert sample.state.shape == (STATE,) and sample.state[4:].eq(0).all()
-    prompt = state_prompt(raw["task"], sample.state[:4])
-    assert sample.tokens.tolist() == policy.tokenizer.encode(prompt)[: policy.config.max_language_tokens]
+    assert sample.state.shape == (32,) and sample.state[4:].eq(0).all()
+    prompt = state_prompt(raw["task"], sample.state)  # all 32 values, as LeRobot's processor writes them
+    assert prompt.count(" 128") >= 28
+    assert sample.tokens.tolist() == policy.tokenizer.encode(prompt, clean=False)[: cfg.max_language_tokens]
     loss, _ = flow_matching_loss(policy, collated(policy, dataset_samples(tiny_dataset, policy)))
     assert torch.isfinite(loss)
+    assert cfg.loss_action_width() == 4
+    cfg.loss_action_dims = "all"  # openpi's choice, for a user who gives it
+    assert cfg.loss_action_width() == 32
 
 
 def test_a_wider_normalizer_pads_its_inputs_and_crops_its_outputs():

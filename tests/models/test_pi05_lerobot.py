@@ -1,103 +1,247 @@
+"""LeRobot's pi0.5 checkpoints, checked against LeRobot's own code (``tests/oracles/README.md``).
+
+From the fixture LeRobot 0.4.4 wrote (``tests/fixtures/lerobot-pi05-tiny``: its ``PI05Policy``, randomly initialised
+and saved with its ``save_pretrained``, with the inputs it was given and what it computed): we load it and compute
+LeRobot's normalized state, prompts, token ids, action chunk and loss; fine-tuning from it trains; what we write in
+LeRobot's format has exactly the tensors and files LeRobot writes. Where LeRobot's venv is built, the same against a
+model LeRobot builds in the test, and the reverse direction (LeRobot loads ours and computes our actions).
+"""
+
+from __future__ import annotations
+
+import copy
 import json
+import shutil
+import struct
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from roboscale.models.flow_matching import flow_matching_loss
-from safetensors.torch import save_file
-
-from roboscale.errors import CheckpointError
+from roboscale.errors import CheckpointError, ConfigError
+from roboscale.models.flow_matching import FlowMatching, flow_matching_loss
+from roboscale.models.pi05.lerobot import (
+    from_lerobot,
+    load_lerobot_pi05,
+    save_lerobot_pi05,
+    to_lerobot,
+    unused_tensors,
+)
+from roboscale.models.pi05.modeling import Pi05Policy
 from roboscale.models.pi05.transform import state_prompt
-from roboscale.models.pi05.lerobot import load_lerobot_pi05, to_lerobot
 from roboscale.models.policy import Policy
 from tests.models.helpers import batch, tiny_policy
+from tests.oracles.lerobot_oracle import FIXTURE, lerobot_python, run_oracle, use_sizes
 
-LEROBOT_CONFIG = {"type": "pi05", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m",
-                  "chunk_size": 6, "n_action_steps": 3, "max_state_dim": 4, "max_action_dim": 4}
-
-
-def write_lerobot_checkpoint(policy, directory, extra=None):
-    """What a LeRobot pi05 pretrained_model directory holds, with our tiny weights under LeRobot's names."""
-    directory.mkdir(parents=True)
-    state = to_lerobot(policy.state_dict(), policy.config)
-    state["model.paligemma_with_expert.paligemma.lm_head.weight"] = torch.zeros(3, 3)  # dead in LeRobot too
-    state.update(extra or {})
-    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(LEROBOT_CONFIG))
-    policy.tokenizer.save(directory / "tokenizer.json")
-    stats = {"observation.state.q01": policy.state_normalizer.q01, "observation.state.q99": policy.state_normalizer.q99,
-             "action.q01": policy.action_normalizer.q01, "action.q99": policy.action_normalizer.q99}
-    save_file(stats, str(directory / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
+RTOL = 1e-4  # relative agreement asked of every computed tensor (float32 on both sides: ~1e-5 is measured)
 
 
-def test_lerobot_names_are_written_for_every_tensor_family():
-    policy = tiny_policy(state_input="prompt", vit_conv_stem=False)
-    names = set(to_lerobot(policy.state_dict(), policy.config))
-    vlm = "model.paligemma_with_expert.paligemma.model."
-    expert = "model.paligemma_with_expert.gemma_expert.model."
-    for name in [
-        vlm + "vision_tower.vision_model.embeddings.patch_embedding.weight",
-        vlm + "vision_tower.vision_model.embeddings.position_embedding.weight",
-        vlm + "vision_tower.vision_model.encoder.layers.0.self_attn.k_proj.bias",
-        vlm + "vision_tower.vision_model.post_layernorm.weight",
-        vlm + "multi_modal_projector.linear.weight",
-        vlm + "language_model.embed_tokens.weight",
-        vlm + "language_model.layers.0.mlp.gate_proj.weight",
-        vlm + "language_model.layers.1.self_attn.k_proj.weight",
-        expert + "layers.1.input_layernorm.dense.bias",
-        expert + "norm.dense.weight",
-        "model.time_mlp_in.weight",
-        "model.action_in_proj.weight",
-    ]:
-        assert name in names, name
-    # The last language-model layer only provides keys/values: LeRobot's q/o/MLP there feed nothing.
-    assert vlm + "language_model.layers.1.self_attn.q_proj.weight" not in names
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours.double() - theirs.double()).norm() / theirs.double().norm())
 
 
-def test_a_lerobot_named_checkpoint_loads_and_predicts_identically(tmp_path):
-    policy = tiny_policy(state_input="prompt", vit_conv_stem=False).eval()
-    write_lerobot_checkpoint(policy, tmp_path / "lerobot")
-    loaded = load_lerobot_pi05(tmp_path / "lerobot", config=tiny_policy(state_input="prompt", vit_conv_stem=False).config).eval()
-    obs = batch(b=2)
-    torch.manual_seed(3)
-    expected = policy.predict_action_chunk(obs)
-    torch.manual_seed(3)
-    torch.testing.assert_close(loaded.predict_action_chunk(obs), expected, rtol=0, atol=0)
-    torch.testing.assert_close(loaded.action_normalizer.q99, policy.action_normalizer.q99)
+def read_oracle(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    return load_file(str(directory / "oracle.safetensors")), json.loads((directory / "oracle.json").read_text())
 
 
-def test_round_trip_to_lerobot_names_and_back_is_exact(tmp_path):
-    policy = tiny_policy(state_input="prompt", vit_conv_stem=False)
-    write_lerobot_checkpoint(policy, tmp_path / "lerobot")
-    loaded = load_lerobot_pi05(tmp_path / "lerobot", config=tiny_policy(state_input="prompt", vit_conv_stem=False).config)
+def observation(record: dict[str, torch.Tensor], meta: dict, cameras: list[str] | None = None, actions=False) -> dict:
+    """The observation LeRobot was given (uint8 frames here: ours converts them as LeRobot's float [0, 1] ones)."""
+    obs = {k: record[f"input.{k}"] for k in (meta["cameras"] if cameras is None else cameras)}
+    obs["observation.state"] = record["input.observation.state"]
+    obs["task"] = list(meta["tasks"])
+    if actions:
+        obs["action"] = record["input.action"]
+    return obs
+
+
+def load_fixture_policy(directory: Path) -> Pi05Policy:
+    return Policy.from_pretrained(directory / "pretrained_model", tokenizer_path=directory / "tokenizer.json").eval()
+
+
+def check_against_lerobot(directory: Path, monkeypatch) -> None:
+    """Everything LeRobot computed for its model in ``directory``, computed by ours."""
+    record, meta = read_oracle(directory)
+    policy = load_fixture_policy(directory)
+    cfg = policy.config
+    assert (cfg.state_dim, cfg.dataset_state_dim, cfg.action_dim, cfg.dataset_action_dim) == (32, 8, 32, 7)
+    obs = observation(record, meta)
+    state = policy.state_normalizer.normalize(obs["observation.state"])
+    torch.testing.assert_close(state[:, :8], record["lerobot.state_normalized"], rtol=0, atol=1e-6)
+    prompts = [state_prompt(task, state[i]) for i, task in enumerate(meta["tasks"])]
+    assert prompts == meta["prompts"]  # padded state, bin -1 below the range, LeRobot's task cleaning
+    transform, _ = policy.data_transforms()
+    for i, sample in enumerate(transform.from_batch(obs)):
+        expected = record["lerobot.tokens"][i][record["lerobot.token_mask"][i]]
+        assert sample.tokens.tolist() == expected.tolist(), f"sample {i}"
+    chunk = policy.predict_action_chunk(obs, noise=record["input.noise"])
+    assert relative_error(chunk, record["lerobot.actions"]) < RTOL
+    one_camera = observation(record, meta, cameras=meta["cameras"][:1])
+    assert relative_error(policy.predict_action_chunk(one_camera, noise=record["input.noise"]),
+                          record["lerobot.actions_one_camera"]) < RTOL
+    # the loss, with LeRobot's noise and time
+    draws = (record["input.loss_noise"], record["input.loss_time"])
+    monkeypatch.setattr(FlowMatching, "draws_per_sample", lambda self, seeds, shape, device: draws)
+    train_batch = {**observation(record, meta, actions=True), "sample_seed": torch.arange(2)}
+    policy.config.action_loss_mask = False  # LeRobot's pi0.5 has no padded steps to leave out here either
+    loss, _ = flow_matching_loss(policy, train_batch)
+    assert relative_error(loss.detach(), record["lerobot.loss"][0]) < RTOL
+    encoded = policy.encode(train_batch)
+    x_t, target = policy.flow_matching.interpolate(encoded.actions, *draws)
+    per_element = (policy.velocity(encoded, x_t, draws[1]) - target)[..., :7].pow(2)
+    assert relative_error(per_element.detach(), record["lerobot.loss_per_element"]) < RTOL
+
+
+# --- the fixture LeRobot wrote ------------------------------------------------------------------------------------
+def test_a_lerobot_checkpoint_loads_and_computes_lerobots_actions_and_loss(monkeypatch):
+    use_sizes(monkeypatch)
+    check_against_lerobot(FIXTURE, monkeypatch)
+
+
+def test_the_tied_embedding_is_read_from_lm_head_and_the_gate_bias_shifts_by_one(monkeypatch):
+    use_sizes(monkeypatch)
+    weights = load_file(str(FIXTURE / "pretrained_model" / "model.safetensors"))
+    assert "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight" not in weights
+    policy = load_fixture_policy(FIXTURE)
+    torch.testing.assert_close(policy.embed_tokens.weight, weights["model.paligemma_with_expert.paligemma.lm_head.weight"])
+    theirs = weights["model.paligemma_with_expert.gemma_expert.model.norm.dense.bias"]
+    ours = policy.expert_norm.modulation.bias.detach()
+    third = theirs.shape[0] // 3
+    torch.testing.assert_close(ours[: 2 * third], theirs[: 2 * third])
+    torch.testing.assert_close(1.0 + ours[2 * third :], theirs[2 * third :])  # x + (1 + g) y  ==  x + g' y
+
+
+def test_fine_tuning_from_a_lerobot_checkpoint_takes_steps_on_a_dataset_of_another_width(
+        tiny_dataset, tmp_path, monkeypatch):
+    """`roboscale train --policy.pretrained_path` on a 4-d state / 4-d action dataset with other camera names."""
+    from roboscale.cli import main
+
+    use_sizes(monkeypatch)
+    out = tmp_path / "tuned"
+    assert main(["train", f"--dataset.root={tiny_dataset}", f"--policy.pretrained_path={FIXTURE / 'pretrained_model'}",
+                 f"--policy.tokenizer_path={FIXTURE / 'tokenizer.json'}", "--steps=3", "--batch_size=4",
+                 "--log_freq=1", "--save_freq=3", f"--output_dir={out}"]) == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    tuned = Policy.from_pretrained(out / "checkpoints" / "last" / "pretrained_model")
+    cfg = tuned.config
+    assert (cfg.dataset_state_dim, cfg.dataset_action_dim, cfg.loss_action_dims) == (4, 4, "dataset")
+    assert cfg.prompt_state_padded and cfg.missing_cameras == "empty" and cfg.vit_norm_eps == 1e-6
+    start = load_fixture_policy(FIXTURE)
+    moved = [n for n, p in tuned.named_parameters() if not torch.equal(p, start.state_dict()[n])]
+    assert moved, "the training steps changed no weight"
+    # and back to LeRobot's format: the same policy, read back through the LeRobot adapter
+    exported = tmp_path / "lerobot"
+    assert main(["export", str(out), f"--output={exported}", "--format=lerobot"]) == 0
+    assert main(["export", str(out), f"--output={tmp_path / 'x'}", "--format=onnx"]) == 2
+    again = Policy.from_pretrained(exported).eval()
+    obs = {k: v for k, v in batch(b=2).items() if not k.startswith("action")}
+    noise = torch.randn(2, cfg.chunk_size, cfg.action_dim)
+    torch.testing.assert_close(again.predict_action_chunk(obs, noise=noise), tuned.eval().predict_action_chunk(
+        obs, noise=noise), rtol=1e-5, atol=1e-6)
+
+
+def test_what_we_write_in_lerobots_format_has_the_tensors_and_files_lerobot_writes(monkeypatch, tmp_path):
+    use_sizes(monkeypatch)
+    policy = load_fixture_policy(FIXTURE)
+    save_lerobot_pi05(policy, tmp_path / "ours")
+    theirs_dir = FIXTURE / "pretrained_model"
+
+    def header(path: Path) -> dict:
+        with path.open("rb") as f:
+            return json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+
+    ours, theirs = header(tmp_path / "ours" / "model.safetensors"), header(theirs_dir / "model.safetensors")
+    assert ours.pop("__metadata__") == theirs.pop("__metadata__")  # the tie, recorded as LeRobot records it
+    assert {k: (v["dtype"], v["shape"]) for k, v in ours.items()} == {k: (v["dtype"], v["shape"])
+                                                                       for k, v in theirs.items()}
+    live = set(theirs) - set(unused_tensors(policy.config))  # LeRobot's tensors that feed nothing we write as 0
+    saved, original = load_file(str(tmp_path / "ours" / "model.safetensors")), load_file(str(theirs_dir / "model.safetensors"))
+    for key in live:  # what computes is LeRobot's tensor back, bit for bit (gate biases shifted there and back)
+        torch.testing.assert_close(saved[key], original[key], rtol=0, atol=1e-6, msg=key)
+    for name in ("policy_preprocessor.json", "policy_postprocessor.json"):
+        assert json.loads((tmp_path / "ours" / name).read_text()) == json.loads((theirs_dir / name).read_text())
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    lerobot_config = json.loads((theirs_dir / "config.json").read_text())
+    assert {k: v for k, v in lerobot_config.items() if k in config} == config
+    stats = load_file(str(tmp_path / "ours" / "policy_preprocessor_step_2_normalizer_processor.safetensors"))
+    original_stats = load_file(str(theirs_dir / "policy_preprocessor_step_2_normalizer_processor.safetensors"))
+    for key, value in stats.items():
+        torch.testing.assert_close(value, original_stats[key], rtol=0, atol=0, msg=key)
+    # and it loads back here as the same policy
+    again = Policy.from_pretrained(tmp_path / "ours")
     for key, value in policy.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(again.state_dict()[key], value, rtol=0, atol=1e-6, msg=key)
 
 
-def test_from_pretrained_recognises_a_lerobot_checkpoint(tmp_path, monkeypatch):
+def test_policies_lerobot_cannot_compute_are_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot compute this policy.*policy.state_input is 'token'.*Gemma"):
+        save_lerobot_pi05(tiny_policy(), tmp_path / "x")
+
+
+# --- the live oracle ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lerobot():
+    return lerobot_python()
+
+
+def test_a_model_lerobot_builds_now_loads_and_computes_its_actions(lerobot, tmp_path, monkeypatch):
+    run_oracle(lerobot, "build", str(tmp_path / "lerobot"), "--seed=3")
+    use_sizes(monkeypatch)
+    check_against_lerobot(tmp_path / "lerobot", monkeypatch)
+
+
+def test_our_pi05_saved_in_lerobots_format_computes_our_actions_in_lerobot(lerobot, tmp_path, monkeypatch):
+    use_sizes(monkeypatch)
+    record, meta = read_oracle(FIXTURE)
+    reference = load_fixture_policy(FIXTURE)
+    torch.manual_seed(11)
+    ours = Pi05Policy(copy.deepcopy(reference.config), reference.tokenizer)  # our init, then every weight random
+    generator = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * (p[0].numel() ** -0.5 if p.dim() >= 2 else 0.1))
+    for name in ("state_normalizer", "action_normalizer"):
+        getattr(ours, name).load_state_dict(getattr(reference, name).state_dict())
+    ours.eval()
+    save_lerobot_pi05(ours, tmp_path / "ours")
+    shutil.copy(FIXTURE / "tokenizer.json", tmp_path / "tokenizer.json")
+    save_file({k: v for k, v in record.items() if k.startswith("input.")}, str(tmp_path / "inputs.safetensors"))
+    run_oracle(lerobot, "predict", str(tmp_path / "ours"), str(tmp_path / "inputs.safetensors"),
+               str(tmp_path / "lerobot.safetensors"))
+    theirs = load_file(str(tmp_path / "lerobot.safetensors"))
+    assert relative_error(ours.predict_action_chunk(observation(record, meta), noise=record["input.noise"]),
+                          theirs["lerobot.actions"]) < RTOL
+    one_camera = observation(record, meta, cameras=meta["cameras"][:1])
+    assert relative_error(ours.predict_action_chunk(one_camera, noise=record["input.noise"]),
+                          theirs["lerobot.actions_one_camera"]) < RTOL
+
+
+# --- conversion details without LeRobot --------------------------------------------------------------------------
+def test_conversion_to_lerobot_names_and_back_is_exact():
     policy = tiny_policy(state_input="prompt", vit_conv_stem=False)
-    write_lerobot_checkpoint(policy, tmp_path / "lerobot")
-    calls = []
-    monkeypatch.setattr("roboscale.models.pi05.lerobot.load_lerobot_pi05",
-                        lambda directory, **kw: calls.append((directory, kw)) or "loaded")
-    assert Policy.from_pretrained(tmp_path / "lerobot", tokenizer_path="/tok.json") == "loaded"
-    assert calls == [(tmp_path / "lerobot", {"tokenizer_path": "/tok.json"})]
+    back = from_lerobot(to_lerobot(policy.state_dict(), policy.config), policy.config, Path("x"))
+    own = {k: v for k, v in policy.state_dict().items() if not k.startswith(("state_normalizer", "action_normalizer"))}
+    assert set(back) == set(own)
+    for key, value in own.items():
+        torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
 
 
-def test_foreign_tensors_and_a_missing_tokenizer_are_clear_errors(tmp_path):
-    policy = tiny_policy(state_input="prompt", vit_conv_stem=False)
-    write_lerobot_checkpoint(policy, tmp_path / "odd", extra={"model.some_new_head.weight": torch.zeros(2)})
+def test_foreign_tensors_and_a_missing_tokenizer_are_clear_errors(tmp_path, monkeypatch):
+    use_sizes(monkeypatch)
+    shutil.copytree(FIXTURE / "pretrained_model", tmp_path / "odd")
+    weights = load_file(str(tmp_path / "odd" / "model.safetensors"))
+    save_file({**weights, "model.some_new_head.weight": torch.zeros(2)}, str(tmp_path / "odd" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="not part of pi0.5 as we build it.*some_new_head"):
-        load_lerobot_pi05(tmp_path / "odd", config=tiny_policy(state_input="prompt", vit_conv_stem=False).config)
-    write_lerobot_checkpoint(policy, tmp_path / "notok")
-    (tmp_path / "notok" / "tokenizer.json").unlink()
+        load_lerobot_pi05(tmp_path / "odd", tokenizer_path=FIXTURE / "tokenizer.json")
     with pytest.raises(CheckpointError, match="tokenizer_path"):
-        load_lerobot_pi05(tmp_path / "notok", config=tiny_policy(state_input="prompt", vit_conv_stem=False).config)
+        load_lerobot_pi05(FIXTURE / "pretrained_model")
 
 
 def test_state_prompt_digitizes_like_pi05():
-    prompt = state_prompt("Open a drawer", torch.tensor([-1.0, 0.0, 0.999, 2.0]))
-    assert prompt == "Task: Open a drawer, State: 0 128 255 255;\nAction: "
+    # stripped, underscores and inner newlines made spaces, runs of spaces kept; no clamp below -1
+    prompt = state_prompt(" Open_a\n  drawer\n", torch.tensor([-1.5, -1.0, 0.0, 0.999, 2.0]))
+    assert prompt == "Task: Open a   drawer, State: -1 0 128 255 255;\nAction: "
 
 
 def test_prompt_state_mode_has_no_state_projection_and_trains():

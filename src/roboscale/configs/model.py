@@ -26,3 +26,7 @@ class ExportConfig:
     pretrained_model directory."""
     output: str = ""
     """The directory to write (config.json, model.safetensors, tokenizer.json); must not exist yet."""
+    format: str = "roboscale"
+    """roboscale (ours), or lerobot (pi0.5: LeRobot's pretrained_model, which its PI05Policy.from_pretrained and
+    processors load; the architecture must be one LeRobot builds: Gemma 2B/300M, SigLIP So400m, the state in the
+    prompt)."""

@@ -198,7 +198,8 @@ def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, std: float | torch
 
 
 def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
-    """The training objective: mean squared error of the predicted velocity over the action steps that exist.
+    """The training objective: mean squared error of the predicted velocity over the action steps that exist and
+    the action dimensions ``policy.config.loss_action_dims`` names.
 
     Returns the loss and metrics as tensors (no host sync per micro-batch): ``loss``, ``loss_weight`` (the loss's
     denominator, so micro-batch losses combine into the whole batch's mean) and the token counts."""
@@ -216,7 +217,8 @@ def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[s
         t = flow.sample_time(actions.shape[0], actions.device)
     x_t, target = flow.interpolate(actions, noise, t)
     pred = policy.velocity(encoded, x_t, t)
-    err = (pred - target).pow(2).mean(-1)  # [B, T]
+    width = policy.config.loss_action_width()  # the dataset's dimensions only, where the config says so
+    err = (pred - target)[..., :width].pow(2).mean(-1)  # [B, T]
     if encoded.action_mask is not None:
         keep = encoded.action_mask.float()
         weight = keep.sum().clamp_min(1.0)

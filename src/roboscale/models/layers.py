@@ -96,13 +96,13 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, ma
 class ViTBlock(nn.Module):
     """Pre-LayerNorm transformer block (SigLIP style), bidirectional attention over one image's patches."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, norm_eps: float = 1e-5):
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.fc1 = nn.Linear(dim, mlp_dim)
         self.fc2 = nn.Linear(mlp_dim, dim)
 
@@ -147,6 +147,7 @@ class VisionTransformer(nn.Module):
         mlp_dim: int = 0,
         pixel_shuffle: int = 1,
         conv_stem: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         if image_size % patch_size:
@@ -159,8 +160,8 @@ class VisionTransformer(nn.Module):
         self.pixel_shuffle = pixel_shuffle
         self.patch_embed = conv_stem_embed(patch_size, dim) if conv_stem else nn.Conv2d(3, dim, patch_size, patch_size)
         self.pos_embed = nn.Parameter(torch.randn(1, self.grid * self.grid, dim) * 0.02)
-        self.blocks = nn.ModuleList([ViTBlock(dim, heads, mlp_dim or 4 * dim) for _ in range(depth)])
-        self.norm = nn.LayerNorm(dim)
+        self.blocks = nn.ModuleList([ViTBlock(dim, heads, mlp_dim or 4 * dim, norm_eps) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim, eps=norm_eps)
         self.out_dim = dim * pixel_shuffle**2
         self.num_tokens = (self.grid // pixel_shuffle) ** 2
 
@@ -172,7 +173,8 @@ class VisionTransformer(nn.Module):
         """The per-camera encoder a policy config describes (its ``image_size`` and ``vit_*`` / ``pixel_shuffle``
         fields, shared by pi0.5 and GR00T)."""
         return cls(cfg.image_size, cfg.vit_patch_size, cfg.vit_dim, cfg.vit_depth, cfg.vit_heads,
-                   mlp_dim=cfg.vit_mlp_dim, pixel_shuffle=cfg.pixel_shuffle, conv_stem=cfg.vit_conv_stem)
+                   mlp_dim=cfg.vit_mlp_dim, pixel_shuffle=cfg.pixel_shuffle, conv_stem=cfg.vit_conv_stem,
+                   norm_eps=cfg.vit_norm_eps)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """images: float [N, 3, H, W] in [-1, 1] -> tokens [N, num_tokens, out_dim]."""

@@ -71,8 +71,9 @@ class Normalizer(nn.Module):
         for name, fill in zip(STAT_KEYS[self.mode], (0.0, 1.0), strict=False):
             getattr(self, name).fill_(fill)
 
-    def set_stats(self, stats: Mapping, feature: str = "") -> None:
-        """Fill from a LeRobot stats dict ({"mean": [...], "std": [...], "q01": ...})."""
+    def set_stats(self, stats: Mapping, feature: str = "", *, repair: bool = True) -> None:
+        """Fill from a LeRobot stats dict ({"mean": [...], "std": [...], "q01": ...}). ``repair``: min/max where a
+        q01..q99 band is degenerate (a dataset's statistics); off for a checkpoint's own, used as they are."""
         keys = STAT_KEYS[self.mode]
         missing = [k for k in keys if k not in stats]
         if missing:
@@ -81,7 +82,7 @@ class Normalizer(nn.Module):
                 f"the dataset's stats.json has {sorted(stats)}"
             )
         values = {key: torch.as_tensor(stats[key], dtype=torch.float32).reshape(-1) for key in keys}
-        if self.mode is NormMode.QUANTILES:
+        if self.mode is NormMode.QUANTILES and repair:
             values = _min_max_where_degenerate(values, stats, feature)
         for key, fill in zip(keys, _IDENTITY.get(self.mode, ()), strict=True):
             value = values[key]

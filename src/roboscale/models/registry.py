@@ -30,16 +30,25 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Foreign:
     """Checkpoints written by another framework: ``detect(config_dict)`` recognises its config.json,
-    ``load`` ("module:function", called as ``load(directory, **overrides)``) builds our policy from it, and
+    ``load`` ("module:function", called as ``load(directory, **overrides)``) builds our policy from it,
     ``config`` ("module:function", called as ``config(config_dict, config_path)``) gives the config that policy is
-    built with, which ``load`` also takes as ``config=`` (fine-tuning changes it first)."""
+    built with, which ``load`` also takes as ``config=`` (fine-tuning changes it first), and ``save`` writes one of
+    ours in that framework's format."""
 
     detect: Callable[[dict], bool]
     load: str
     config: str | None = None
+    save: str | None = None
+    """"module:function" ``save(policy, directory)``: write our policy in the framework's format
+    (``roboscale export --format=<format>``)."""
+    format: str = "lerobot"
+    """The framework's name, as ``--format`` takes it."""
 
     def loader(self) -> Callable[..., Any]:
         return _load(self.load)
+
+    def saver(self) -> Callable[..., Any] | None:
+        return _load(self.save) if self.save else None
 
     def config_reader(self) -> Callable[..., PolicyConfig] | None:
         return _load(self.config) if self.config else None
@@ -89,8 +98,8 @@ PI05_PRESETS: dict[str, dict] = {
     # Packed batches by default at this size (the packing benchmark's gain); --policy.packing=false gives
     # LeRobot's padded rows of 200 language positions.
     "full": dict(packing=True, pad_language_to=200, image_size=224, vit_patch_size=14, vit_dim=1152, vit_depth=27,
-                 vit_heads=16, vit_mlp_dim=4304, vit_conv_stem=False, pixel_shuffle=1, width=2048, depth=18,
-                 num_heads=8, num_kv_heads=1, head_dim=256, mlp_dim=16384, expert_width=1024, expert_mlp_dim=4096,
+                 vit_heads=16, vit_mlp_dim=4304, vit_conv_stem=False, vit_norm_eps=1e-6, pixel_shuffle=1, width=2048,
+                 depth=18, num_heads=8, num_kv_heads=1, head_dim=256, mlp_dim=16384, expert_width=1024, expert_mlp_dim=4096,
                  vocab_size=257152, state_input="prompt", max_language_tokens=200, chunk_size=50, n_action_steps=50,
                  state_dim=32, action_dim=32,
                  image_keys=["observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb",
@@ -109,8 +118,8 @@ GROOT_PRESETS: dict[str, dict] = {
     # 2048; a 16-block DiT at 1536 (32 x 48) with 1024-wide output; 32 embodiments (new_embodiment = 31);
     # 64-d state and 32-d actions (zero-padded maxima), 16-step chunks, 4 Euler steps, dropout 0.2.
     "full": dict(image_size=224, vit_patch_size=14, vit_dim=1152, vit_depth=27, vit_heads=16, vit_mlp_dim=4304,
-                 vit_conv_stem=False, pixel_shuffle=1, projector_layers=1, llm_width=2048, llm_layers=12,
-                 llm_heads=16, llm_kv_heads=8, llm_head_dim=128, llm_mlp_dim=6144, vocab_size=151680,
+                 vit_conv_stem=False, vit_norm_eps=1e-6, pixel_shuffle=1, projector_layers=1, llm_width=2048,
+                 llm_layers=12, llm_heads=16, llm_kv_heads=8, llm_head_dim=128, llm_mlp_dim=6144, vocab_size=151680,
                  tune_llm=False, tune_visual=False, max_language_tokens=200, vl_layers=4, vl_heads=32,
                  dit_layers=16, dit_width=1536, dit_heads=32, hidden_size=1024, num_future_tokens=32,
                  max_seq_len=1024, num_embodiments=32, embodiment_id=31, dropout=0.2, chunk_size=16,
@@ -127,7 +136,8 @@ SPECS: dict[str, PolicySpec] = {
         flops="roboscale.models.pi05.modeling:flops_per_sample",
         foreign=Foreign(detect=lambda config: "paligemma_variant" in config,
                         load="roboscale.models.pi05.lerobot:load_lerobot_pi05",
-                        config="roboscale.models.pi05.lerobot:config_from_lerobot"),
+                        config="roboscale.models.pi05.lerobot:config_from_lerobot",
+                        save="roboscale.models.pi05.lerobot:save_lerobot_pi05"),
     ),
     "groot": PolicySpec(
         "groot",

@@ -76,8 +76,10 @@ class TaskTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(normalize_task(text), add_special_tokens=False).ids
+    def encode(self, text: str, *, clean: bool = True) -> list[int]:
+        """``<bos>`` (where the vocabulary has one) and the ids of ``text``, cleaned by ``normalize_task`` unless
+        ``clean`` is False (pi0.5's prompt: its template's newline and trailing space are part of it)."""
+        ids = self._tok.encode(normalize_task(text) if clean else text, add_special_tokens=False).ids
         return ([self.bos_id] if self.bos_id is not None else []) + ids
 
     def task_ids(self, task: str, max_length: int) -> torch.Tensor:

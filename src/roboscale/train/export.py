@@ -1,5 +1,6 @@
 """`roboscale export`: the consolidated policy of a checkpoint as a standalone ``pretrained_model`` directory
-(config.json, model.safetensors, tokenizer.json) that ``roboscale eval`` and ``Policy.from_pretrained`` load.
+(config.json, model.safetensors, tokenizer.json) that ``roboscale eval`` and ``Policy.from_pretrained`` load, or
+(``--format=lerobot``) in another framework's format, through the policy registry's ``Foreign`` adapter.
 
 Every saved step keeps its consolidated weights (gathered from the ranks' shards when it was saved, the EMA
 weights when training kept an average), so exporting never needs the ranks or the sharded state; the policy is
@@ -32,8 +33,20 @@ def pretrained_dir(checkpoint: Path) -> Path:
     return checkpoint
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
+OURS = "roboscale"
+
+
+def export_formats(policy_type: str) -> list[str]:
+    """``--format`` values for a policy type: ours, and each framework its registry entry can write."""
+    from roboscale.models.registry import get_spec
+
+    foreign = get_spec(policy_type).foreign
+    return [OURS] + ([foreign.format] if foreign is not None and foreign.save else [])
+
+
+def export_checkpoint(checkpoint: str | Path, output: str | Path, format: str = OURS) -> Path:
     from roboscale.models.policy import Policy
+    from roboscale.models.registry import get_spec
     from roboscale.train.checkpoint import TRAIN_CONFIG
     from roboscale.utils.io import atomic_directory
 
@@ -42,8 +55,14 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     if output.exists():
         raise ConfigError(f"--output {output}: already exists; export writes a new directory")
     policy = Policy.from_pretrained(source)
+    formats = export_formats(policy.name)
+    if format not in formats:
+        raise ConfigError(f"--format: {format!r} is not one of {formats} (the formats a {policy.name} policy exports to)")
     with atomic_directory(output) as tmp:
-        policy.save_pretrained(tmp)
-        if (source / TRAIN_CONFIG).is_file():  # how it was trained travels with it
-            (tmp / TRAIN_CONFIG).write_bytes((source / TRAIN_CONFIG).read_bytes())
+        if format == OURS:
+            policy.save_pretrained(tmp)
+            if (source / TRAIN_CONFIG).is_file():  # how it was trained travels with it
+                (tmp / TRAIN_CONFIG).write_bytes((source / TRAIN_CONFIG).read_bytes())
+        else:
+            get_spec(policy.name).foreign.saver()(policy, tmp)
     return output

@@ -32,6 +32,8 @@ class GrootConfig(PolicyConfig):
     """ViT feed-forward size (0: 4 x vit_dim; SigLIP So400m: 4304)."""
     vit_conv_stem: bool = True
     """Embed patches with stride-2 3x3 convolutions instead of one patchify convolution (better at small data)."""
+    vit_norm_eps: float = 1e-5
+    """Epsilon of the ViT's LayerNorms (SigLIP-2's: 1e-6)."""
     pixel_shuffle: int = 4
     """Merge r x r neighbouring patch tokens into one before the projector (Eagle's pixel shuffle, ratio 1/r;
     1 = none, which is what GR00T N1.5's Eagle checkpoint uses: 256 tokens per 224² image)."""
@@ -114,6 +116,7 @@ class GrootConfig(PolicyConfig):
     """Exclude actions past the episode end (``action_is_pad``) from the loss."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.chunk_size > self.max_seq_len:
             raise ConfigError(
                 f"policy.chunk_size {self.chunk_size} exceeds policy.max_seq_len {self.max_seq_len} "

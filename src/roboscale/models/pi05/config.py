@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from roboscale.errors import ConfigError
 from roboscale.models.config import PolicyConfig
 
 STATE_INPUTS = ("token", "prompt")
+MISSING_CAMERAS = ("error", "empty")
 
 
 @dataclass
@@ -17,7 +19,8 @@ class Pi05Config(PolicyConfig):
     type: ClassVar[str] = "pi05"
     finetune_options: ClassVar[frozenset[str]] = PolicyConfig.finetune_options | {
         "max_language_tokens", "time_beta_alpha", "num_inference_steps", "state_norm", "action_norm", "random_shift",
-        "action_loss_mask", "attention_backend", "packing", "pad_language_to", "pack_token_budget"}
+        "action_loss_mask", "attention_backend", "packing", "pad_language_to", "pack_token_budget",
+        "missing_cameras"}
 
     vit_patch_size: int = 8
     """ViT patch size in pixels."""
@@ -34,6 +37,8 @@ class Pi05Config(PolicyConfig):
     merged token keeps every feature, so nothing is lost, and the language model can be wider for the same cost)."""
     vit_conv_stem: bool = True
     """Embed patches with stride-2 3x3 convolutions instead of one patchify convolution (better at small data)."""
+    vit_norm_eps: float = 1e-5
+    """Epsilon of the ViT's LayerNorms (SigLIP's, and so LeRobot's and openpi's: 1e-6)."""
     width: int = 256
     """Language model (prefix) width."""
     depth: int = 3
@@ -53,6 +58,12 @@ class Pi05Config(PolicyConfig):
     state_input: str = "token"
     """How the state enters the prefix: "token" (one continuous token, the default at CPU scale) or "prompt"
     (pi0.5's way: the normalized state digitized into 256 bins and written into the prompt as integers)."""
+    prompt_state_padded: bool = False
+    """state_input=prompt: write the state zero-padded to state_dim (LeRobot's processor pads before it
+    digitizes: 32 numbers for an 8-d state) instead of the dataset's values only (openpi's tokenizer)."""
+    missing_cameras: str = "error"
+    """A camera of image_keys absent from an observation: "error", or "empty": an empty, masked image slot (what
+    LeRobot's pi0.5 feeds for a camera slot the batch lacks; at least one camera must be present)."""
     max_language_tokens: int = 48
     """Instruction tokens kept (longer prompts are truncated)."""
     vocab_size: int = 0
@@ -90,3 +101,9 @@ class Pi05Config(PolicyConfig):
     """Packed layout: the most tokens (prefix + actions) one micro-batch may hold. A batch over it is split by
     best-fit decreasing into micro-batches whose gradients the trainer accumulates (the same update as the whole
     batch, at bounded activation memory). 0 = one micro-batch per batch."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.missing_cameras not in MISSING_CAMERAS:
+            raise ConfigError(f"policy.missing_cameras: {self.missing_cameras!r} is not one of "
+                              f"{list(MISSING_CAMERAS)}")

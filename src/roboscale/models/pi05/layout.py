@@ -212,11 +212,13 @@ def collate(
 
 
 def pack_micro_batches(
-    samples: Sequence[TokenizedSample], spec: PrefixSpec, budget: int, num_ranks: int = 1, rank: int = 0
+    samples: Sequence[TokenizedSample], spec: PrefixSpec, budget: int, num_ranks: int = 1, rank: int = 0,
+    require_every_camera: bool = True,
 ) -> list[PackedBatch]:
     """This rank's packed micro-batches (gradient-accumulation steps) for a global batch of samples: best-fit
     decreasing under ``budget`` tokens each, the same number of micro-batches on every rank, tokens balanced."""
-    _check_cameras(samples)  # on the whole batch: a micro-batch may lack a camera that the batch has
+    if require_every_camera:
+        _check_cameras(samples)  # on the whole batch: a micro-batch may lack a camera that the batch has
     lengths = [spec.sample_tokens(s) for s in samples]
     describe = _describer(samples, spec)
     plan = plan_micro_batches(lengths, budget, num_ranks, describe)
@@ -234,8 +236,11 @@ class PackCollate:
     spec: PrefixSpec
     packed: bool = True
     budget: int = 0
+    require_every_camera: bool = True
+    """A camera slot empty in every sample is an error (policy.missing_cameras=error)."""
 
     def __call__(self, samples: Sequence[TokenizedSample]) -> PackedBatch | list[PackedBatch]:
         if self.packed and self.budget:
-            return pack_micro_batches(samples, self.spec, self.budget)
-        return collate(samples, self.spec, packed=self.packed, budget=self.budget)
+            return pack_micro_batches(samples, self.spec, self.budget, require_every_camera=self.require_every_camera)
+        return collate(samples, self.spec, packed=self.packed, budget=self.budget,
+                       require_every_camera=self.require_every_camera)

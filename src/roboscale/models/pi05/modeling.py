@@ -354,7 +354,8 @@ class Pi05Policy(Policy):
         """``(transform, collate)`` for the loader's workers: per-sample normalization + tokenization, then packing
         into a PackedBatch (``config.packing``) or padding (one sample per row). Both are picklable."""
         transform = Pi05Transform(self.config, self.state_normalizer, self.action_normalizer, self.tokenizer)
-        collate = PackCollate(self.prefix_spec(), packed=self.config.packing, budget=self.config.pack_token_budget)
+        collate = PackCollate(self.prefix_spec(), packed=self.config.packing, budget=self.config.pack_token_budget,
+                              require_every_camera=self.config.missing_cameras == "error")
         return transform, collate
 
     def as_packed_batch(self, batch: dict[str, Any] | PackedBatch) -> PackedBatch:

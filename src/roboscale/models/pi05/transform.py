@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from roboscale.models.normalize import Normalizer
@@ -14,6 +15,7 @@ from roboscale.models.tokenizer import TaskTokenizer
 from roboscale.utils.images import resize_with_pad
 
 STATE_BINS = 256
+_STATE_EDGES = np.linspace(-1.0, 1.0, STATE_BINS + 1)[:-1]
 
 
 class Pi05Transform:
@@ -33,6 +35,8 @@ class Pi05Transform:
         self.state_key, self.action_key = cfg.state_key, cfg.action_key
         self.max_language_tokens = cfg.max_language_tokens
         self.state_input = cfg.state_input
+        self.prompt_state_padded = cfg.prompt_state_padded
+        self.empty_missing_cameras = cfg.missing_cameras == "empty"
         self.state_width = cfg.dataset_state_dim or cfg.state_dim  # the dataset's (the state may be zero-padded)
         self.state_normalizer = state_normalizer.snapshot()
         self.action_normalizer = action_normalizer.snapshot()
@@ -42,9 +46,10 @@ class Pi05Transform:
         if self.tokenizer is None:
             raise RuntimeError("this policy has no tokenizer; pass pre-tokenized observation.language.tokens")
         if self.state_input == "prompt":  # the prompt carries the state: a new string every frame
-            # the dataset's values only, not the zero padding (openpi tokenizes the state before padding it)
-            prompt = state_prompt(task, normalized_state[: self.state_width])
-            ids = self.tokenizer.encode(prompt)[: self.max_language_tokens]
+            # openpi tokenizes the state before padding it; LeRobot pads it first (prompt_state_padded)
+            prompt = state_prompt(task, normalized_state if self.prompt_state_padded
+                                  else normalized_state[: self.state_width])
+            ids = self.tokenizer.encode(prompt, clean=False)[: self.max_language_tokens]
             return torch.tensor(ids, dtype=torch.long)
         return self.tokenizer.task_ids(task, self.max_language_tokens)
 
@@ -99,11 +104,14 @@ class Pi05Transform:
         """A LeRobot-style *batch* dict (what eval and the in-memory loader give) -> samples. A camera the policy
         reads that is absent from the whole batch is an error, not an empty slot."""
         missing = [k for k in self.image_keys if k not in batch]
-        if missing:
+        if missing and not self.empty_missing_cameras:
             raise KeyError(
                 f"observation has no {missing[0]!r}; this policy reads cameras {self.image_keys} (a camera missing "
-                "from a whole batch is a configuration error: set policy.image_keys to the cameras the data has)"
+                "from a whole batch is a configuration error: set policy.image_keys to the cameras the data has, "
+                "or policy.missing_cameras=empty to feed it as an empty slot)"
             )
+        if len(missing) == len(self.image_keys):
+            raise KeyError(f"observation has none of the cameras this policy reads: {self.image_keys}")
         state = self.state_normalizer.normalize(torch.as_tensor(batch[self.state_key]).float().cpu())
         b = state.shape[0]
         tasks = batch.get("task")
@@ -114,12 +122,14 @@ class Pi05Transform:
             actions = self.action_normalizer.normalize(torch.as_tensor(actions).float().cpu())
             is_pad = torch.zeros(actions.shape[:2], dtype=torch.bool) if is_pad is None else torch.as_tensor(is_pad)
             is_pad = is_pad.bool().cpu()
-        images = torch.stack([resize_with_pad(torch.as_tensor(batch[k]).cpu(), self.image_size)
-                              for k in self.image_keys], dim=1)
+        present = {k: resize_with_pad(torch.as_tensor(batch[k]).cpu(), self.image_size) for k in self.image_keys
+                   if k in batch}
+        blank = torch.zeros_like(next(iter(present.values())))  # an empty slot: masked, never encoded
+        images = torch.stack([present.get(k, blank) for k in self.image_keys], dim=1)
         image_mask = batch.get("image_mask")
         if image_mask is None:
             image_mask = torch.ones(images.shape[:2], dtype=torch.bool)
-        image_mask = torch.as_tensor(image_mask).bool().cpu()
+        image_mask = torch.as_tensor(image_mask).bool().cpu() & torch.tensor([k in batch for k in self.image_keys])
         if "observation.language.tokens" in batch:
             ids = torch.as_tensor(batch["observation.language.tokens"]).long().cpu()
             lang_mask = torch.as_tensor(batch["observation.language.attention_mask"]).bool().cpu()
@@ -148,7 +158,11 @@ class Pi05Transform:
 
 
 def state_prompt(task: str, normalized_state: torch.Tensor) -> str:
-    """pi0.5's prompt: the state (normalized to [-1, 1]) digitized into 256 bins and written as integers."""
-    edges = torch.linspace(-1.0, 1.0, STATE_BINS + 1)[:-1]
-    bins = torch.bucketize(normalized_state.clamp(-1.0, 1.0), edges, right=True) - 1
-    return f"Task: {task}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
+    """pi0.5's prompt, as openpi's ``PaligemmaTokenizer`` and LeRobot's ``Pi05PrepareStateTokenizerProcessorStep``
+    write it: the task stripped, underscores and newlines made spaces (nothing else: runs of spaces stay), and the
+    state (normalized to [-1, 1]) digitized into 256 bins, ``np.digitize(x, linspace(-1, 1, 257)[:-1]) - 1``, with
+    no clamp: a value below -1 is bin -1, one at or above 1 - 2/256 bin 255."""
+    # float32 values against float64 edges, as both do (torch's float32 edges would move a value on an edge)
+    bins = np.digitize(normalized_state.detach().cpu().float().numpy(), _STATE_EDGES) - 1
+    cleaned = task.strip().replace("_", " ").replace("\n", " ")
+    return f"Task: {cleaned}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "

@@ -9,7 +9,6 @@ model LeRobot builds in the test, and the reverse direction (LeRobot loads ours 
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import struct
@@ -20,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from roboscale.errors import CheckpointError, ConfigError
-from roboscale.models.flow_matching import FlowMatching, flow_matching_loss
+from roboscale.models.flow_matching import flow_matching_loss
 from roboscale.models.pi05.lerobot import (
     from_lerobot,
     load_lerobot_pi05,
@@ -28,81 +27,47 @@ from roboscale.models.pi05.lerobot import (
     to_lerobot,
     unused_tensors,
 )
-from roboscale.models.pi05.modeling import Pi05Policy
 from roboscale.models.pi05.transform import state_prompt
 from roboscale.models.policy import Policy
 from tests.models.helpers import batch, tiny_policy
-from tests.oracles.lerobot_oracle import FIXTURE, lerobot_python, run_oracle, use_sizes
+from tests.oracles.lerobot_oracle import (
+    FIXTURE,
+    agreement,
+    lerobot_python,
+    load_oracle_policy,
+    randomized_copy,
+    reverse_agreement,
+    run_oracle,
+    use_sizes,
+)
 
 RTOL = 1e-4  # relative agreement asked of every computed tensor (float32 on both sides: ~1e-5 is measured)
 
 
-def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return float((ours.double() - theirs.double()).norm() / theirs.double().norm())
-
-
-def read_oracle(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    return load_file(str(directory / "oracle.safetensors")), json.loads((directory / "oracle.json").read_text())
-
-
-def observation(record: dict[str, torch.Tensor], meta: dict, cameras: list[str] | None = None, actions=False) -> dict:
-    """The observation LeRobot was given (uint8 frames here: ours converts them as LeRobot's float [0, 1] ones)."""
-    obs = {k: record[f"input.{k}"] for k in (meta["cameras"] if cameras is None else cameras)}
-    obs["observation.state"] = record["input.observation.state"]
-    obs["task"] = list(meta["tasks"])
-    if actions:
-        obs["action"] = record["input.action"]
-    return obs
-
-
-def load_fixture_policy(directory: Path) -> Pi05Policy:
-    return Policy.from_pretrained(directory / "pretrained_model", tokenizer_path=directory / "tokenizer.json").eval()
-
-
-def check_against_lerobot(directory: Path, monkeypatch) -> None:
+def check_against_lerobot(directory: Path) -> None:
     """Everything LeRobot computed for its model in ``directory``, computed by ours."""
-    record, meta = read_oracle(directory)
-    policy = load_fixture_policy(directory)
+    policy = load_oracle_policy(directory)
     cfg = policy.config
     assert (cfg.state_dim, cfg.dataset_state_dim, cfg.action_dim, cfg.dataset_action_dim) == (32, 8, 32, 7)
-    obs = observation(record, meta)
-    state = policy.state_normalizer.normalize(obs["observation.state"])
-    torch.testing.assert_close(state[:, :8], record["lerobot.state_normalized"], rtol=0, atol=1e-6)
-    prompts = [state_prompt(task, state[i]) for i, task in enumerate(meta["tasks"])]
-    assert prompts == meta["prompts"]  # padded state, bin -1 below the range, LeRobot's task cleaning
-    transform, _ = policy.data_transforms()
-    for i, sample in enumerate(transform.from_batch(obs)):
-        expected = record["lerobot.tokens"][i][record["lerobot.token_mask"][i]]
-        assert sample.tokens.tolist() == expected.tolist(), f"sample {i}"
-    chunk = policy.predict_action_chunk(obs, noise=record["input.noise"])
-    assert relative_error(chunk, record["lerobot.actions"]) < RTOL
-    one_camera = observation(record, meta, cameras=meta["cameras"][:1])
-    assert relative_error(policy.predict_action_chunk(one_camera, noise=record["input.noise"]),
-                          record["lerobot.actions_one_camera"]) < RTOL
-    # the loss, with LeRobot's noise and time
-    draws = (record["input.loss_noise"], record["input.loss_time"])
-    monkeypatch.setattr(FlowMatching, "draws_per_sample", lambda self, seeds, shape, device: draws)
-    train_batch = {**observation(record, meta, actions=True), "sample_seed": torch.arange(2)}
-    policy.config.action_loss_mask = False  # LeRobot's pi0.5 has no padded steps to leave out here either
-    loss, _ = flow_matching_loss(policy, train_batch)
-    assert relative_error(loss.detach(), record["lerobot.loss"][0]) < RTOL
-    encoded = policy.encode(train_batch)
-    x_t, target = policy.flow_matching.interpolate(encoded.actions, *draws)
-    per_element = (policy.velocity(encoded, x_t, draws[1]) - target)[..., :7].pow(2)
-    assert relative_error(per_element.detach(), record["lerobot.loss_per_element"]) < RTOL
+    result = agreement(directory, policy)
+    assert result["state_max_abs"] < 1e-6
+    # the state zero-padded before it is digitized, bin -1 below the range, LeRobot's task cleaning, <bos>, truncation
+    assert result["prompts_equal"] == 1.0 and result["tokens_equal"] == 1.0
+    for name in ("actions", "actions_one_camera", "loss", "loss_per_element"):
+        assert result[name] < RTOL, (name, result[name])
 
 
 # --- the fixture LeRobot wrote ------------------------------------------------------------------------------------
 def test_a_lerobot_checkpoint_loads_and_computes_lerobots_actions_and_loss(monkeypatch):
     use_sizes(monkeypatch)
-    check_against_lerobot(FIXTURE, monkeypatch)
+    check_against_lerobot(FIXTURE)
 
 
 def test_the_tied_embedding_is_read_from_lm_head_and_the_gate_bias_shifts_by_one(monkeypatch):
     use_sizes(monkeypatch)
     weights = load_file(str(FIXTURE / "pretrained_model" / "model.safetensors"))
     assert "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight" not in weights
-    policy = load_fixture_policy(FIXTURE)
+    policy = load_oracle_policy(FIXTURE)
     torch.testing.assert_close(policy.embed_tokens.weight, weights["model.paligemma_with_expert.paligemma.lm_head.weight"])
     theirs = weights["model.paligemma_with_expert.gemma_expert.model.norm.dense.bias"]
     ours = policy.expert_norm.modulation.bias.detach()
@@ -127,7 +92,7 @@ def test_fine_tuning_from_a_lerobot_checkpoint_takes_steps_on_a_dataset_of_anoth
     cfg = tuned.config
     assert (cfg.dataset_state_dim, cfg.dataset_action_dim, cfg.loss_action_dims) == (4, 4, "dataset")
     assert cfg.prompt_state_padded and cfg.missing_cameras == "empty" and cfg.vit_norm_eps == 1e-6
-    start = load_fixture_policy(FIXTURE)
+    start = load_oracle_policy(FIXTURE)
     moved = [n for n, p in tuned.named_parameters() if not torch.equal(p, start.state_dict()[n])]
     assert moved, "the training steps changed no weight"
     # and back to LeRobot's format: the same policy, read back through the LeRobot adapter
@@ -143,7 +108,7 @@ def test_fine_tuning_from_a_lerobot_checkpoint_takes_steps_on_a_dataset_of_anoth
 
 def test_what_we_write_in_lerobots_format_has_the_tensors_and_files_lerobot_writes(monkeypatch, tmp_path):
     use_sizes(monkeypatch)
-    policy = load_fixture_policy(FIXTURE)
+    policy = load_oracle_policy(FIXTURE)
     save_lerobot_pi05(policy, tmp_path / "ours")
     theirs_dir = FIXTURE / "pretrained_model"
 
@@ -188,33 +153,15 @@ def lerobot():
 def test_a_model_lerobot_builds_now_loads_and_computes_its_actions(lerobot, tmp_path, monkeypatch):
     run_oracle(lerobot, "build", str(tmp_path / "lerobot"), "--seed=3")
     use_sizes(monkeypatch)
-    check_against_lerobot(tmp_path / "lerobot", monkeypatch)
+    check_against_lerobot(tmp_path / "lerobot")
 
 
 def test_our_pi05_saved_in_lerobots_format_computes_our_actions_in_lerobot(lerobot, tmp_path, monkeypatch):
     use_sizes(monkeypatch)
-    record, meta = read_oracle(FIXTURE)
-    reference = load_fixture_policy(FIXTURE)
     torch.manual_seed(11)
-    ours = Pi05Policy(copy.deepcopy(reference.config), reference.tokenizer)  # our init, then every weight random
-    generator = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * (p[0].numel() ** -0.5 if p.dim() >= 2 else 0.1))
-    for name in ("state_normalizer", "action_normalizer"):
-        getattr(ours, name).load_state_dict(getattr(reference, name).state_dict())
-    ours.eval()
-    save_lerobot_pi05(ours, tmp_path / "ours")
-    shutil.copy(FIXTURE / "tokenizer.json", tmp_path / "tokenizer.json")
-    save_file({k: v for k, v in record.items() if k.startswith("input.")}, str(tmp_path / "inputs.safetensors"))
-    run_oracle(lerobot, "predict", str(tmp_path / "ours"), str(tmp_path / "inputs.safetensors"),
-               str(tmp_path / "lerobot.safetensors"))
-    theirs = load_file(str(tmp_path / "lerobot.safetensors"))
-    assert relative_error(ours.predict_action_chunk(observation(record, meta), noise=record["input.noise"]),
-                          theirs["lerobot.actions"]) < RTOL
-    one_camera = observation(record, meta, cameras=meta["cameras"][:1])
-    assert relative_error(ours.predict_action_chunk(one_camera, noise=record["input.noise"]),
-                          theirs["lerobot.actions_one_camera"]) < RTOL
+    ours = randomized_copy(load_oracle_policy(FIXTURE), seed=12)  # our init, then every weight random
+    result = reverse_agreement(lerobot, ours, FIXTURE, tmp_path)
+    assert result["actions"] < RTOL and result["actions_one_camera"] < RTOL, result
 
 
 # --- conversion details without LeRobot --------------------------------------------------------------------------
@@ -225,6 +172,21 @@ def test_conversion_to_lerobot_names_and_back_is_exact():
     assert set(back) == set(own)
     for key, value in own.items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_files_in_openpis_pytorch_naming_load_as_lerobot_loads_them(tmp_path, monkeypatch):
+    """LeRobot's key fixes (``_fix_pytorch_state_dict_keys``): no ``model.`` prefix, ``action_time_mlp_*``, a pi0
+    ``state_proj`` and the expert's plain RMSNorm weights, which the adaRMSNorm replaces, are skipped."""
+    use_sizes(monkeypatch)
+    shutil.copytree(FIXTURE / "pretrained_model", tmp_path / "openpi")
+    weights = load_file(str(tmp_path / "openpi" / "model.safetensors"))
+    renamed = {k.removeprefix("model.").replace("time_mlp_", "action_time_mlp_"): v for k, v in weights.items()}
+    renamed["state_proj.weight"] = torch.zeros(16, 32)
+    renamed["paligemma_with_expert.gemma_expert.model.layers.0.input_layernorm.weight"] = torch.zeros(16)
+    save_file(renamed, str(tmp_path / "openpi" / "model.safetensors"))
+    loaded = load_lerobot_pi05(tmp_path / "openpi", tokenizer_path=FIXTURE / "tokenizer.json")
+    for key, value in load_oracle_policy(FIXTURE).state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
 
 
 def test_foreign_tensors_and_a_missing_tokenizer_are_clear_errors(tmp_path, monkeypatch):

@@ -235,14 +235,9 @@ def build(out: Path, size: str, seed: int) -> None:
     record: dict[str, torch.Tensor] = dict(inputs)
     meta: dict = {"size": size, "seed": seed, "tasks": TASKS, "cameras": CAMERAS,
                   "versions": versions()}
-    # LeRobot reads its own file back through the tie of the input embedding and lm_head (its strict load
-    # reports the alias as missing, and what it loaded is the saved model): checked, so the oracle is what was saved
-    saved = {k: v.clone() for k, v in policy.state_dict().items()}
-    policy = PI05Policy.from_pretrained(checkpoint, config=config)
-    reloaded = policy.state_dict()
-    differ = [k for k, v in saved.items() if not torch.equal(v, reloaded[k])]
-    if differ or set(saved) != set(reloaded):
-        raise SystemExit(f"LeRobot did not read back what it saved: {differ[:5]}")
+    del policy  # what LeRobot reads back from its own file is the oracle (its strict load reports the tied
+    policy = PI05Policy.from_pretrained(checkpoint, config=config)  # embedding as missing; the tie fills it)
+    check_loaded_whole(policy, checkpoint)
     run_policy(policy, preprocessor, postprocessor, inputs, record, meta)
     save_file({k: v.contiguous() for k, v in record.items()}, str(out / "oracle.safetensors"))
     (out / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -262,13 +257,7 @@ def predict(checkpoint: Path, inputs_path: Path, out: Path, size: str) -> None:
                                                 bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"))
     inputs = load_file(str(inputs_path))
     policy = PI05Policy.from_pretrained(checkpoint)
-    # every tensor of the file is what LeRobot's model now holds (its strict load reports the tied embedding
-    # as missing, as it does for its own files; the tie fills it)
-    state, saved = policy.state_dict(), load_file(str(checkpoint / "model.safetensors"))
-    differ = [k for k, v in saved.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
-    missing = sorted(set(state) - set(saved) - {EMBED})
-    if differ or missing or not torch.equal(state[EMBED], saved[LM_HEAD]):
-        raise SystemExit(f"LeRobot did not load the checkpoint whole: differ {differ[:5]}, missing {missing[:5]}")
+    check_loaded_whole(policy, checkpoint)
     preprocessor = PolicyProcessorPipeline.from_pretrained(checkpoint, config_filename="policy_preprocessor.json")
     postprocessor = PolicyProcessorPipeline.from_pretrained(
         checkpoint, config_filename="policy_postprocessor.json", to_transition=policy_action_to_transition,
@@ -278,6 +267,23 @@ def predict(checkpoint: Path, inputs_path: Path, out: Path, size: str) -> None:
     run_policy(policy, preprocessor, postprocessor, inputs, record, meta)
     save_file({k: v.contiguous() for k, v in record.items()}, str(out))
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def check_loaded_whole(policy, checkpoint: Path) -> None:
+    """Every tensor of the file is what LeRobot's model holds after ``from_pretrained``, and it holds no other
+    (its strict load reports the tied embedding as missing, for its own files too: the tie fills it). One tensor
+    at a time, so that a full-size model is not held twice."""
+    from safetensors import safe_open
+
+    state = policy.state_dict()
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        differ = [k for k in names if k not in state or not torch.equal(state[k], f.get_tensor(k).to(state[k].dtype))]
+        tied = LM_HEAD in names and torch.equal(state[EMBED], f.get_tensor(LM_HEAD).to(state[EMBED].dtype))
+    missing = sorted(set(state) - names - {EMBED})
+    if differ or missing or not tied:
+        raise SystemExit(f"LeRobot did not load {checkpoint} whole: differ {sorted(differ)[:5]}, missing "
+                         f"{missing[:5]}, embedding tied to lm_head: {tied}")
 
 
 def versions() -> dict[str, str]:

@@ -221,8 +221,29 @@ def to_lerobot(state: Mapping[str, torch.Tensor], cfg: Pi05Config) -> dict[str, 
     return out
 
 
+def lerobot_key_fixes(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The key fixes LeRobot's ``PI05Policy.from_pretrained`` applies before loading (``_fix_pytorch_state_dict_keys``,
+    after openpi's): files converted from openpi's PyTorch port name ``action_time_mlp_*`` what is ``time_mlp_*``,
+    may carry a ``state_proj`` (pi0's) and the expert's plain RMSNorm weights (the adaRMSNorm replaces them), and
+    may lack the ``model.`` prefix."""
+    plain_expert_norm = re.compile(r"paligemma_with_expert\.gemma_expert\.model\.(layers\.\d+\.(input_layernorm|"
+                                   r"post_attention_layernorm)|norm)\.weight")
+    fixed: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        bare = key.removeprefix("model.")
+        if plain_expert_norm.fullmatch(bare) or bare.startswith("state_proj."):
+            continue
+        for old, new in (("action_time_mlp_in.", "time_mlp_in."), ("action_time_mlp_out.", "time_mlp_out.")):
+            if bare.startswith(old):
+                bare = new + bare.removeprefix(old)
+        fixed["model." + bare] = value
+    return fixed
+
+
 def from_lerobot(state: Mapping[str, torch.Tensor], cfg: Pi05Config, source: Path) -> dict[str, torch.Tensor]:
-    """LeRobot tensor names -> ours. Unknown LeRobot tensors are an error (a different architecture)."""
+    """LeRobot tensor names -> ours (after LeRobot's own key fixes). Unknown LeRobot tensors are an error (a
+    different architecture)."""
+    state = lerobot_key_fixes(state)
     inverse = {theirs: ours for ours, theirs in _renames(cfg).items()}
     last = cfg.depth - 1
     dead_last_layer = re.compile(

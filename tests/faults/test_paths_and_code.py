@@ -220,6 +220,98 @@ def test_resume_does_not_import_the_code_a_checkpoint_names(tiny_dataset: Path, 
     assert "give --eval.env=planted:SPEC on the command line" in lines[0]
 
 
+def _rl_checkpoint_naming_code(out: Path, key: str, value: str) -> Path:
+    """An RL output dir whose last checkpoint's ``rl_state.json`` sets ``key`` (``env`` or ``eval.env``) to
+    ``value``: what ``roboscale rl --resume`` reads before it builds anything."""
+    from roboscale.config import to_dict
+    from roboscale.configs.rl import RLConfig
+
+    cfg = to_dict(RLConfig(output_dir=str(out), checkpoint=str(out / "sft")))
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
+    state = out / "checkpoints" / "000001" / "training_state"
+    state.mkdir(parents=True)
+    (state / "rl_state.json").write_text(json.dumps({"config": cfg}))
+    (out / "checkpoints" / "last").symlink_to("000001")
+    return state / "rl_state.json"
+
+
+@pytest.mark.parametrize("key", ["env", "eval.env"])
+def test_an_rl_resume_does_not_import_the_code_its_state_names(key: str, tmp_path: Path) -> None:
+    """``python -m roboscale rl --resume=true`` beside ``planted.py``, with ``rl_state.json`` naming
+    ``planted:SPEC``: before, the module ran (and a real SPEC would have run the whole job). Now one line naming
+    the file and the option, as `train` says it, and nothing imported."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    marker = _planted_module(work)
+    state = _rl_checkpoint_naming_code(work / "run", key, "planted:SPEC")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "roboscale", "rl", "--resume=true", "--output_dir=run"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert not marker.exists(), "the checkpoint's module was imported"
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: {state.resolve()}: --{key}=planted:SPEC names code to import"), lines
+
+
+def test_an_rl_resume_does_not_run_a_standard_library_module_its_state_names(tmp_path: Path) -> None:
+    """``"this:s"`` printed the Zen of Python under the console script (no working directory on its path)."""
+    _rl_checkpoint_naming_code(tmp_path / "run", "env", "this:s")
+    console = Path(sys.executable).with_name("roboscale")
+    done = subprocess.run([str(console), "rl", "--resume=true", f"--output_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert "Beautiful is better than ugly" not in done.stdout + done.stderr
+    assert done.returncode == 2 and "--env=this:s names code to import" in done.stderr
+
+
+def test_every_command_that_resumes_parses_through_the_one_resume_path() -> None:
+    """The configs with a ``resume`` option that takes a run's options from its checkpoint are exactly those of the
+    ResumableCommands (train's and rl's), so a new command that resumes has to be one, and gets the code-name
+    guard with it."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import roboscale.configs
+    from roboscale.rl import run as rl_run
+    from roboscale.train.resume import TRAIN, ResumableCommand, parse_resumable
+
+    resumable = set()
+    for info in pkgutil.iter_modules(roboscale.configs.__path__):
+        module = importlib.import_module(f"roboscale.configs.{info.name}")
+        for value in vars(module).values():
+            if dataclasses.is_dataclass(value) and isinstance(value, type) and value.__module__ == module.__name__ \
+                    and "resume" in {f.name for f in dataclasses.fields(value)}:
+                resumable.add(value)
+    calls = []
+    original = parse_resumable
+
+    def recording(command: ResumableCommand, argv: list[str]):
+        calls.append(command.config)
+        return original(command, argv)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("roboscale.train.resume.parse_resumable", recording)
+        from roboscale.train.resume import parse_train_args
+
+        parse_train_args([])
+        rl_run.parse_rl_args([])
+    # `roboscale eval --resume` takes no options from its directory: it compares protocol.json with the command
+    # line's (test_an_evaluation_dirs_protocol_is_compared_never_imported)
+    from roboscale.configs.eval import EvalConfig
+
+    assert resumable - {EvalConfig} == {TRAIN.config, *calls} == set(calls), (resumable, calls)
+
+
+def test_a_copied_rl_run_resumes_where_it_now_is(tmp_path: Path) -> None:
+    """`train` resumes a copied output dir; `rl` refused it (--output_dir differed from the run's own)."""
+    from roboscale.rl.run import parse_rl_args
+
+    _rl_checkpoint_naming_code(tmp_path / "run", "env", "metaworld")
+    shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=True)
+    assert parse_rl_args(["--resume=true", f"--output_dir={tmp_path / 'copy'}"]).output_dir == str(tmp_path / "copy")
+
+
 def test_a_code_name_given_again_on_the_command_line_is_the_users_choice(tiny_dataset: Path, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Giving the option again (or overriding it) resumes; parsing imports nothing either way."""

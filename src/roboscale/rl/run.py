@@ -13,39 +13,43 @@ import json
 from pathlib import Path
 from typing import Any
 
-from roboscale.config import flat_options, from_dict, parse, to_dict
+from roboscale.config import flat_options, from_dict, to_dict
 from roboscale.configs.rl import RLConfig
 from roboscale.configs.train import DatasetConfig, TrainConfig
 from roboscale.errors import CheckpointError, ConfigError
 
 PROG = "roboscale rl"
+# a copied run resumes where it now is (output_dir), as `train`'s does
 RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoints.", "num_threads", "resume", "rollout.",
-                     "eval.")
+                     "eval.", "output_dir")
 
 
 def parse_rl_args(argv: list[str]) -> RLConfig:
     """``roboscale rl`` options; with ``--resume``, the options not given are the checkpoint's own."""
-    cfg = parse(RLConfig, argv, prog=PROG)
-    if not cfg.resume:
-        return cfg
-    from roboscale.train.resume import resume_checkpoint
+    from roboscale.train.resume import ResumableCommand, parse_resumable
 
-    saved = saved_rl_config(resume_checkpoint(Path(cfg.output_dir)))
-    merged = parse(RLConfig, argv, defaults=saved, prog=PROG)
+    return parse_resumable(ResumableCommand(RLConfig, PROG, rl_state_file, saved_rl_config, _refuse_changes), argv)
+
+
+def _refuse_changes(saved: RLConfig, merged: RLConfig, checkpoint: Path) -> None:
     before = flat_options(to_dict(saved))
     changed = [key for key, value in flat_options(to_dict(merged)).items()
                if before.get(key) != value and not key.startswith(RESUMABLE_CHANGES)]
     if changed:
-        raise ConfigError(f"--resume: {', '.join(f'--{k}' for k in changed)} differ from the run's own options; a "
-                          "resume continues the same run (start a new --output_dir to change them)")
-    return merged
+        raise ConfigError(f"--resume: {', '.join(f'--{k}' for k in changed)} differ from the run's own options "
+                          f"({rl_state_file(checkpoint)}); a resume continues the same run (start a new --output_dir "
+                          "to change them)")
 
 
-def saved_rl_config(checkpoint: Path) -> RLConfig:
+def rl_state_file(checkpoint: Path) -> Path:
     from roboscale.rl.job import STATE
     from roboscale.train.checkpoint import TRAINING_STATE
 
-    path = checkpoint / TRAINING_STATE / f"{STATE}_state.json"
+    return checkpoint / TRAINING_STATE / f"{STATE}_state.json"
+
+
+def saved_rl_config(checkpoint: Path) -> RLConfig:
+    path = rl_state_file(checkpoint)
     try:
         return from_dict(RLConfig, json.loads(path.read_text())["config"])
     except FileNotFoundError:

@@ -5,14 +5,17 @@ option that would change the model, the data order or the optimizer's trajectory
 the checkpoint's value (``resume_conflicts``). A damaged checkpoint is an error naming the file and the command
 that resumes from the previous one instead (``resuming``). A checkpoint's config never names code to import: a
 ``package.module:attribute`` it holds is refused unless the command line gives it again (``refuse_saved_code``).
+Every command that resumes (``train``, ``rl``) is a ``ResumableCommand`` parsed by ``parse_resumable``, which holds
+that guard, so a new one cannot leave it out.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,35 +79,66 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def parse_train_args(argv: list[str]) -> TrainConfig:
-    """``roboscale train`` options; with ``--resume``, the options not given are the checkpoint's own."""
+@dataclass(frozen=True)
+class ResumableCommand:
+    """A command whose runs resume (``--resume=true`` in its ``--output_dir``): its config class, the checkpoint file
+    its options are saved in, how to read them, and what it checks of the options a resume changes. Every such
+    command parses its options with ``parse_resumable``, where the code-name guard is."""
+
+    config: type
+    prog: str
+    saved_file: Callable[[Path], Path]
+    """checkpoint step directory -> the file holding the run's options (named in errors)."""
+    read_saved: Callable[[Path], Any]
+    """checkpoint step directory -> the run's options (a ``config`` instance; a CheckpointError when damaged)."""
+    check: Callable[[Any, Any, Path], None] | None = None
+    """``check(saved, merged, checkpoint)``: refuse changes the command cannot resume with (None: checked later)."""
+
+
+def parse_resumable(command: ResumableCommand, argv: list[str]) -> Any:
+    """The options of ``command``: the command line's; with ``--resume``, the options not given are the
+    checkpoint's own, and no ``package.module:attribute`` is taken from the checkpoint (``refuse_saved_code``)."""
     from roboscale.config import parse
 
-    cfg = parse(TrainConfig, argv, prog="roboscale train")
+    cfg = parse(command.config, argv, prog=command.prog)
     if not cfg.resume:
         return cfg
     checkpoint = resume_checkpoint(Path(cfg.output_dir))
     with resuming(checkpoint):
-        saved = saved_config(checkpoint)
-    merged = parse(TrainConfig, argv, defaults=saved, prog="roboscale train")
-    refuse_saved_code(merged, cfg, checkpoint)
+        saved = command.read_saved(checkpoint)
+    merged = parse(command.config, argv, defaults=saved, prog=command.prog)
+    refuse_saved_code(merged, cfg, command.saved_file(checkpoint))
+    if command.check is not None:
+        command.check(saved, merged, checkpoint)
     return merged
 
 
-def refuse_saved_code(merged: TrainConfig, given: TrainConfig, checkpoint: Path) -> None:
-    """A ConfigError for the first option of ``merged`` whose ``package.module:attribute`` value came from the
-    checkpoint rather than from ``given`` (the command line and --config alone): importing it would run code a
-    file names (under ``python -m``, even a module of the working directory)."""
+def _train_config_file(checkpoint: Path) -> Path:
     from roboscale.train.checkpoint import PRETRAINED, TRAIN_CONFIG
 
+    return checkpoint / PRETRAINED / TRAIN_CONFIG
+
+
+# `roboscale train`: what else a resume may change is checked once the policy is built (check_resume)
+TRAIN = ResumableCommand(TrainConfig, "roboscale train", _train_config_file, lambda c: saved_config(c))
+
+
+def parse_train_args(argv: list[str]) -> TrainConfig:
+    """``roboscale train`` options; with ``--resume``, the options not given are the checkpoint's own."""
+    return parse_resumable(TRAIN, argv)
+
+
+def refuse_saved_code(merged: Any, given: Any, saved_file: Path) -> None:
+    """A ConfigError for the first option of ``merged`` whose ``package.module:attribute`` value came from the
+    checkpoint (``saved_file``) rather than from ``given`` (the command line and --config alone): importing it
+    would run code a file names (under ``python -m``, even a module of the working directory)."""
     stated = flat_options(to_dict(given))
     for key, value in flat_options(to_dict(merged)).items():
         values = value if isinstance(value, list) else [value]
         if any(is_code_name(v) for v in values) and not _same(stated.get(key), value):
             shown = ",".join(map(str, values))
-            raise ConfigError(f"{checkpoint / PRETRAINED / TRAIN_CONFIG}: --{key}={shown} names code to import, "
-                              "which a resume does not take from a checkpoint; to allow it, give "
-                              f"--{key}={shown} on the command line")
+            raise ConfigError(f"{saved_file}: --{key}={shown} names code to import, which a resume does not take "
+                              f"from a checkpoint; to allow it, give --{key}={shown} on the command line")
 
 
 def resume_checkpoint(output_dir: Path) -> Path:

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import textwrap
 import types
 import typing
@@ -124,7 +125,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if tp in (int, float):
             if isinstance(value, bool):
                 raise ValueError
-            return tp(value)
+            number = tp(value)
+            if tp is float and not math.isfinite(number):  # no option means anything by NaN or infinity
+                raise ConfigError(f"{where}: must be a finite number, got {value!r}")
+            return number
         if tp is str:
             return str(value)
         if tp is Path:

@@ -222,6 +222,11 @@ def truncate_episodes_metadata(root: Path) -> None:
         path.write_bytes(path.read_bytes()[:100])
 
 
+def nest_info_deeply(root: Path) -> None:
+    """A 100,000-deep JSON array: valid JSON that Python's parser cannot read without a RecursionError."""
+    (root / "meta" / "info.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
 def delete_stats(root: Path) -> None:
     (root / "meta" / "stats.json").unlink()
 
@@ -256,6 +261,8 @@ DAMAGES: list[Damage] = [
            grow_state_shape, None),
     Damage("info-garbled", "random bytes inside meta/info.json", garble_info, None, expect=_INFO_FAILS),
     Damage("info-deleted", "meta/info.json deleted", delete_info, None, expect=_INFO_FAILS),
+    Damage("info-nested-deeply", "meta/info.json a 100,000-deep JSON array (a RecursionError in every reader)",
+           nest_info_deeply, None, expect=_INFO_FAILS),
     Damage("tasks-deleted", "meta/tasks.parquet deleted", delete_tasks, None, expect=_INFO_FAILS),
     Damage("episodes-metadata-truncated", "meta/episodes parquet cut to 100 bytes", truncate_episodes_metadata,
            None, expect=_INFO_FAILS),

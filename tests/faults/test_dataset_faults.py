@@ -115,3 +115,42 @@ def test_the_reliability_page_records_every_damage() -> None:
     page = (Path(__file__).parents[2] / "docs" / "reliability.md").read_text()
     missing = [d.name for d in [*DAMAGES, *CHECKPOINT_DAMAGES] if f"**{d.name}**: {d.what}" not in page]
     assert not missing, f"regenerate docs/reliability.md (python -m tests.faults.report): {missing}"
+
+
+def _tool_calls_not_json(root: Path) -> Path:
+    """LeRobot 0.6's fixture with every ``language_events`` row's ``tool_calls`` a string that is not JSON."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (data,) = sorted((root / "data").rglob("*.parquet"))
+    table = pq.read_table(data)
+    row = pa.struct([("role", pa.string()), ("content", pa.string()), ("style", pa.string()),
+                     ("camera", pa.string()), ("tool_calls", pa.list_(pa.string()))])
+    cells = [[{**r, "tool_calls": ["{not json"]} for r in cell or []]
+             for cell in table.column("language_events").to_pylist()]
+    index = table.schema.get_field_index("language_events")
+    pq.write_table(table.set_column(index, pa.field("language_events", pa.list_(row)),
+                                    pa.array(cells, type=pa.list_(row))), data)
+    return data
+
+
+def test_annotations_that_cannot_be_read_fail_only_who_reads_them(tmp_path: Path) -> None:
+    """Before (issue 31): `data validate` named the bad ``tool_calls``, but `train` passed its quick check and died in
+    a loader-worker traceback (every column of a data file was parsed, asked for or not), and `lake build` (which
+    leaves annotations out) in a Ray traceback. Now the annotations are parsed when read: training and the lake,
+    which do not read them, work; a loader asked for them stops with one line naming the file, episode and field."""
+    import numpy as np
+
+    from roboscale.data.loading.source import open_source
+    from roboscale.errors import DatasetError
+
+    from .entry_points import run_cli, train_args
+
+    root = tmp_path / "dataset"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "lerobot-0.6-mini", root)
+    data = _tool_calls_not_json(root)
+    assert run_cli("data", "validate", str(root)).exit_code == 1
+    assert run_cli(*train_args(root, tmp_path)).kind == "ok"
+    with pytest.raises(DatasetError) as err:
+        open_source(root).read(0, np.array([0]), ["language_events"])
+    assert str(err.value).startswith(f"{data}: episode 0: field 'language_events': annotations that cannot be read")

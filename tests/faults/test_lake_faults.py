@@ -269,3 +269,18 @@ def test_training_checks_lake_shards_unless_told_not_to(lake_copy: Path, tmp_pat
     assert refused.exit_code == 1 and f"{target}: field 'sha256': sha256 differs" in refused.message
     trusted = run_cli(*train_args(lake_copy, tmp_path / "trusted", "--dataset.verify_lake_shards=false"))
     assert trusted.kind == "ok", trusted.message
+
+
+def test_a_deeply_nested_manifest_is_one_line_in_every_command(lake_copy: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A 100,000-deep JSON array as manifest.json: a RecursionError traceback in `lake verify` and `train` before
+    (issue 31); now one line naming the file."""
+    from .entry_points import TINY_PI05
+
+    (lake_copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    for argv in (["lake", "verify", str(lake_copy)],
+                 ["train", f"--dataset.root={lake_copy}", f"--output_dir={tmp_path / 'run'}", "--steps=1",
+                  "--batch_size=4", *TINY_PI05]):
+        code, line = _cli(capsys, *argv)
+        assert code == 1 and line.startswith(f"error: {lake_copy / 'manifest.json'}: "), (argv[0], line)
+        assert "nested too deeply" in line

@@ -51,6 +51,14 @@ def test_options_are_typed_and_checked():
         env_spec("metaworld").parse_options({"settle_steps": 3})
 
 
+def test_settling_past_robosuites_horizon_is_refused_naming_the_option():
+    """``settle_steps=100000``: before, the episode ended while settling and the next step's error blamed the
+    cameras (``executing action in terminated episode``)."""
+    with pytest.raises(ConfigError, match=r"--env_options.settle_steps=100000 plus the episode's 280 steps exceed "
+                                          r"robosuite's 1000 steps per reset .*at most 720"):
+        libero.LiberoEnv(SOUP, image_size=32, options=libero.LiberoOptions(settle_steps=100_000))
+
+
 def test_init_states_are_numeric_arrays_and_scene_picks_one(env, tmp_path):
     states = env.init_states
     assert states.shape[0] == libero.INIT_STATES_PER_TASK and states.dtype == np.float64

@@ -96,6 +96,9 @@ class RLOptions:
                               f"{self.noise_level}")
         if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1) or self.value_coef < 0:
             raise ConfigError("--rl.gamma must be in (0, 1], --rl.gae_lambda in [0, 1], --rl.value_coef >= 0")
+        if self.algorithm == "ppo" and self.value_head_dim <= 0:
+            raise ConfigError(f"--rl.value_head_dim must be a positive integer for ppo (its critic's width), got "
+                              f"{self.value_head_dim}")
 
 
 @dataclass
@@ -144,6 +147,9 @@ class RLConfig:
     """Evaluation during training (deterministic sampler, --eval.seed's scenes)."""
 
     def __post_init__(self) -> None:
+        if self.rollout.server:
+            raise ConfigError("--rollout.server: roboscale rl acts with the weights it trains, in its own inference "
+                              "servers; a remote policy server is for `roboscale eval`")
         if self.steps <= 0 or self.save_freq <= 0 or self.log_freq <= 0:
             raise ConfigError("--steps, --save_freq and --log_freq must be positive integers")
         epochs = self.rl.epochs

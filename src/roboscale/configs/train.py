@@ -58,6 +58,22 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio at the last step."""
 
+    def __post_init__(self) -> None:
+        # refused here, at parse time, not by torch's optimizer after the rollout processes have started
+        if not self.lr > 0:
+            raise ConfigError(f"--optimizer.lr must be a positive number, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"--optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"--optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.grad_clip_norm >= 0:
+            raise ConfigError(f"--optimizer.grad_clip_norm must be >= 0 (0 disables clipping), got "
+                              f"{self.grad_clip_norm}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
 
 @dataclass
 class CheckpointConfig:

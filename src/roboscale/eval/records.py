@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from roboscale.errors import DatasetError
+from roboscale.utils.io import load_json
 
 Schema = Mapping[str, tuple[Any, ...]]
 """Field -> the types its value may have: int (not a bool), float (any number but a bool), bool, str, dict,
@@ -67,7 +68,7 @@ def read_json_object(path: Path, how_to_go_on: str = "") -> dict[str, Any]:
     """The JSON object in ``path``; ``how_to_go_on`` ends the error's message when it is not one."""
     suffix = f"; {how_to_go_on}" if how_to_go_on else ""
     try:
-        data = json.loads(Path(path).read_bytes())
+        data = load_json(Path(path).read_bytes())
     except FileNotFoundError:
         raise DatasetError(path, f"file not found{suffix}") from None
     except OSError as exc:
@@ -91,7 +92,7 @@ def json_lines(path: Path, how_to_go_on: str = "") -> Iterator[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            yield number, json.loads(line)
+            yield number, load_json(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(path, f"line {number}: not valid JSON ({exc.msg})"
                                      + (f"; {how_to_go_on}" if how_to_go_on else "")) from None

@@ -39,7 +39,7 @@ from roboscale.models.flow_matching import FlowMatching
 from roboscale.models.normalize import Normalizer
 from roboscale.models.rtc import ChunkGuide, Guide, prefix_weights
 from roboscale.models.tokenizer import TaskTokenizer
-from roboscale.utils.io import atomic_path, atomic_write_json
+from roboscale.utils.io import atomic_path, atomic_write_json, load_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -343,7 +343,7 @@ def read_policy_config(directory: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(path, "missing; a policy checkpoint needs config.json and model.safetensors")
     try:
-        data = json.loads(path.read_text())
+        data = load_json(path.read_text())
     except ValueError as exc:  # JSON or UTF-8 decoding
         raise CheckpointError(path, f"not valid JSON ({exc})") from None
     if not isinstance(data, dict) or "type" not in data:

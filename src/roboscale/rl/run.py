@@ -9,7 +9,6 @@ retention, the rollout processes, evaluation during training, threads).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from roboscale.config import flat_options, from_dict, to_dict
 from roboscale.configs.rl import RLConfig
 from roboscale.configs.train import DatasetConfig, TrainConfig
 from roboscale.errors import CheckpointError, ConfigError
+from roboscale.utils.io import load_json
 
 PROG = "roboscale rl"
 # a copied run resumes where it now is (output_dir), as `train`'s does
@@ -51,7 +51,7 @@ def rl_state_file(checkpoint: Path) -> Path:
 def saved_rl_config(checkpoint: Path) -> RLConfig:
     path = rl_state_file(checkpoint)
     try:
-        return from_dict(RLConfig, json.loads(path.read_text())["config"])
+        return from_dict(RLConfig, load_json(path.read_text())["config"])
     except FileNotFoundError:
         raise CheckpointError(path, "missing: not a checkpoint of `roboscale rl`") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

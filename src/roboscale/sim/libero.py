@@ -188,6 +188,12 @@ class LiberoEnv:
             self._env = ControlEnv(bddl_file_name=str(self.info.bddl_file), use_camera_obs=False,
                                    has_renderer=False, has_offscreen_renderer=False, hard_reset=False,
                                    camera_heights=image_size, camera_widths=image_size)
+        horizon = int(self._env.env.horizon)  # robosuite ends an episode after this many steps per reset
+        if self.options.settle_steps + self.max_steps > horizon:
+            self._env.close()
+            raise ConfigError(f"--env_options.settle_steps={self.options.settle_steps} plus the episode's "
+                              f"{self.max_steps} steps exceed robosuite's {horizon} steps per reset (LIBERO's "
+                              f"horizon): keep settle_steps at most {max(0, horizon - self.max_steps)}")
         self._model, self._data = self._env.sim.model._model, self._env.sim.data._data
         self._renderer = CameraRenderer(self._model, image_size, self.cameras, _as_lerobot) if self.cameras else None
         self._steps = 0

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from roboscale.config import to_dict
 from roboscale.errors import CheckpointError, TrainingError
-from roboscale.utils.io import atomic_directory, fsync_dir, remove_stale_temporaries
+from roboscale.utils.io import atomic_directory, fsync_dir, load_json, remove_stale_temporaries
 from roboscale.utils.lifetime import interrupted
 
 PRETRAINED = "pretrained_model"
@@ -386,7 +386,7 @@ def saved_train_config(checkpoint: Path) -> dict[str, Any]:
     """The training config a checkpoint was saved with (``pretrained_model/train_config.json``)."""
     path = Path(checkpoint) / PRETRAINED / TRAIN_CONFIG
     try:
-        data = json.loads(path.read_text())
+        data = load_json(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(path, "missing") from None
     except (OSError, ValueError) as exc:
@@ -563,7 +563,7 @@ def _quiet_dcp():
 
 
 def _json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    return load_json(path.read_text())
 
 
 def _read(path: Path, load: Any) -> Any:

@@ -48,7 +48,7 @@ from typing import Any
 
 from roboscale.configs.train import EvalDuringTrainingConfig
 from roboscale.train.checkpoint import point_best, step_directories, step_name
-from roboscale.utils.io import append_json_line, atomic_path, fsync_dir, read_json_lines
+from roboscale.utils.io import append_json_line, atomic_path, fsync_dir, load_json, read_json_lines
 from roboscale.utils.stats import wilson_interval
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ def read_evals(path: Path, repair: bool = False) -> list[dict[str, Any]]:
 def read_report(path: Path) -> dict[str, Any]:
     """success_rate, ci_low, ci_high, episodes and per_task {task: success_rate, ci_low, ci_high} of an
     evaluation's report.json; intervals the report lacks are computed (Wilson 95%)."""
-    report = json.loads(Path(path).read_text())
+    report = load_json(Path(path).read_text())
     overall, tasks = report["overall"], report["per_task"]
     episodes = int(overall["episodes"])
     per_task, successes = {}, 0

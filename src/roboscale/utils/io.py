@@ -126,6 +126,16 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def load_json(data: str | bytes) -> Any:
+    """``json.loads`` of what a file or a peer gave us. Nesting deeper than Python's parser recurses (a crafted
+    100,000-deep array) is a ``json.JSONDecodeError``, the ValueError every reader already turns into its one-line
+    error, instead of a RecursionError traceback."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply to read", "", 0) from None
+
+
 def atomic_write_json(path: str | Path, obj: Any, indent: int = 4) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode())
 
@@ -159,7 +169,7 @@ def read_json_lines(path: str | Path, repair: bool = False) -> tuple[list[dict[s
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = load_json(line)
         except json.JSONDecodeError:
             record = None
         if isinstance(record, dict):

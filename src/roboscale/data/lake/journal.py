@@ -11,7 +11,6 @@ is never deleted, whatever its name.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,7 @@ from roboscale.data.lake.format import (
 )
 from roboscale.data.lake.manifest import read_shard_meta
 from roboscale.errors import ConfigError
-from roboscale.utils.io import atomic_write_json, remove_stale_temporaries
+from roboscale.utils.io import atomic_write_json, load_json, remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ def _recorded(out: Path) -> set[str]:
 def _read(path: Path, fmt: str) -> dict[str, Any] | None:
     """The JSON object at ``path`` if it is a record of format ``fmt`` (else None: missing, unreadable, other)."""
     try:
-        record = json.loads(path.read_text())
+        record = load_json(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("format") == fmt else None

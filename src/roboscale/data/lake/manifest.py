@@ -4,7 +4,6 @@ does), and the per-file sizes and hashes that ``LakeSource`` and ``lake verify``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from roboscale import __version__
 from roboscale.configs.lake import LakeConfig
 from roboscale.data.lake.format import EPISODES_FILE, LAKE_FORMAT, LAKE_VERSION, MANIFEST, SHARD_META, TASKS_FILE
 from roboscale.data.lake.planning import ShardSpec, SourcePlan
-from roboscale.utils.io import atomic_write_bytes, sha256_file
+from roboscale.utils.io import atomic_write_bytes, load_json, sha256_file
 
 if TYPE_CHECKING:
     from roboscale.data.lake.shards import BuildContext
@@ -30,7 +29,7 @@ def file_record(path: Path) -> dict[str, Any]:
 
 def read_shard_meta(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((path / SHARD_META).read_text())
+        return load_json((path / SHARD_META).read_text())
     except (OSError, ValueError):
         return None
 
@@ -131,7 +130,7 @@ def manifest_is_current(out: Path, cfg: LakeConfig, specs: Sequence[ShardSpec],
                          tokenizer: Mapping[str, Any] | None) -> bool:
     """The existing manifest describes exactly this plan (same shards, settings, sources and tokenizer)."""
     try:
-        old = json.loads((out / MANIFEST).read_text())
+        old = load_json((out / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
     return (old.get("format") == LAKE_FORMAT and old.get("version") == LAKE_VERSION

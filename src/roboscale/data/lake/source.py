@@ -42,7 +42,7 @@ from roboscale.data.lake.format import (
 )
 from roboscale.data.lerobot.format import column_to_numpy
 from roboscale.errors import DatasetError
-from roboscale.utils.io import HashChecks, file_identity
+from roboscale.utils.io import HashChecks, file_identity, load_json
 
 
 class _OpenShard:
@@ -98,7 +98,7 @@ class LakeSource:
     def _read_manifest(self) -> dict[str, Any]:
         path = self.root / MANIFEST
         try:
-            manifest = json.loads(path.read_text())
+            manifest = load_json(path.read_text())
         except FileNotFoundError:
             raise DatasetError(path, "not found: not a lake, or its build has not finished "
                                      "(rerun `roboscale lake build` to resume it)") from None

@@ -53,7 +53,7 @@ from roboscale.data.lerobot.writer import (
     next_shard,
 )
 from roboscale.errors import DatasetError
-from roboscale.utils.io import atomic_directory
+from roboscale.utils.io import atomic_directory, load_json
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ _REQUIRED_STATS = ("min", "max", "mean", "std", "count")
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return load_json(path.read_text())
     except FileNotFoundError:
         raise DatasetError(path, "file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -89,7 +89,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = load_json(line)
         except json.JSONDecodeError as e:
             raise DatasetError(path, f"line {number}: invalid JSON: {e}") from None
         if not isinstance(row, dict):

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from roboscale.data.lerobot import language
 from roboscale.errors import DatasetError
-from roboscale.utils.io import atomic_path, atomic_write_bytes
+from roboscale.utils.io import atomic_path, atomic_write_bytes, load_json
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def _check_features(features: Any, path: Path) -> None:
 def read_info(root: str | Path) -> DatasetInfo:
     path = Path(root) / INFO_PATH
     try:
-        raw = json.loads(path.read_text())
+        raw = load_json(path.read_text())
     except FileNotFoundError:
         raise DatasetError(path, "not found; is this a LeRobot v3.0 dataset root?") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -500,7 +500,7 @@ def _task_column(table: pa.Table) -> str:
     """The column holding the task strings: the pandas index column, or a plain ``task`` column."""
     meta = (table.schema.metadata or {}).get(b"pandas")
     if meta:
-        for col in json.loads(meta).get("index_columns", []):
+        for col in load_json(meta).get("index_columns", []):
             if isinstance(col, str) and col in table.column_names:
                 return col
     for name in ("task", "__index_level_0__"):
@@ -661,7 +661,7 @@ def read_stats(root: str | Path) -> dict[str, dict[str, np.ndarray]] | None:
     if not path.exists():
         return None
     try:
-        raw = json.loads(path.read_text())
+        raw = load_json(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatasetError(path, f"cannot read JSON: {e}") from None
     if not isinstance(raw, dict):

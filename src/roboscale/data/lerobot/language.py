@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from roboscale.utils.io import load_json
+
 LANGUAGE_DTYPE = "language"
 LANGUAGE_PERSISTENT = "language_persistent"
 LANGUAGE_EVENTS = "language_events"
@@ -79,7 +81,7 @@ def hf_feature_json(column: str) -> dict[str, Any]:
 def _parsed_tool_calls(value: Any) -> Any:
     if value is None:
         return None
-    return [json.loads(call) if isinstance(call, str) else call for call in value]
+    return [load_json(call) if isinstance(call, str) else call for call in value]
 
 
 def column_to_rows(column: pa.ChunkedArray | pa.Array) -> np.ndarray:

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from roboscale.data.lerobot import format as fmt
+from roboscale.data.lerobot import language
 from roboscale.data.lerobot.depth import is_depth_map
 from roboscale.data.lerobot.video import decode_png
 from roboscale.data.loading.decode import DecoderPool
@@ -149,6 +150,8 @@ class RawSource:
                 continue
             if self.features[key]["dtype"] == "image":
                 out[key] = self._decode_images(episode, key, columns[key], frames)
+            elif language.is_language(self.features[key]):
+                out[key] = self._language_rows(episode, key, columns)[frames]
             else:
                 out[key] = columns[key][frames]
         if videos:
@@ -233,8 +236,22 @@ class RawSource:
             self._parquet.popitem(last=False)
         return entry
 
+    def _language_rows(self, episode: int, key: str, columns: dict[str, Any]) -> np.ndarray:
+        """An episode's language column as row lists (parsed on first use, then kept with its columns)."""
+        value = columns[key]
+        if isinstance(value, np.ndarray):
+            return value
+        try:
+            rows = language.column_to_rows(value)
+        except ValueError as e:  # tool_calls that are not JSON
+            raise DatasetError(self.data_path(episode), f"annotations that cannot be read ({e})", field=key,
+                               episode=int(self._ids[episode])) from None
+        columns[key] = rows
+        return rows
+
     def _episode_columns(self, episode: int) -> dict[str, Any]:
-        """Every parquet column of one episode, numpy [n, *shape] (images: the Arrow struct of PNG bytes)."""
+        """Every parquet column of one episode, numpy [n, *shape] (images: the Arrow struct of PNG bytes; language
+        annotations: Arrow, parsed by ``_language_rows`` when read)."""
         with self._lock:  # camera threads never call this; the lock guards callers that use threads themselves
             cached = self._columns.get(episode)
             if cached is not None:
@@ -252,7 +269,10 @@ class RawSource:
             if table.num_rows != self._lengths[episode]:
                 raise DatasetError(path, f"has {table.num_rows} rows for this episode, meta/episodes says length "
                                          f"{int(self._lengths[episode])}", episode=ep_id)
-            columns = {k: fmt.column_to_numpy(table[k], self.features[k], path, k) for k in self._parquet_keys}
+            # language annotations stay Arrow until a caller asks for them (_language_rows): parsing every row's
+            # tool_calls costs Python time per file, and a column nobody reads cannot fail a training
+            columns = {k: (table[k].combine_chunks() if language.is_language(self.features[k])
+                           else fmt.column_to_numpy(table[k], self.features[k], path, k)) for k in self._parquet_keys}
             order = np.argsort(columns["frame_index"], kind="stable")
             if not np.array_equal(order, np.arange(len(order))):
                 columns = {k: (v.take(pa.array(order)) if isinstance(v, pa.Array) else v[order])

@@ -14,7 +14,6 @@ Openers import their module lazily, so a missing optional backend only matters t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from roboscale.data.lake.format import LAKE_FORMAT, MANIFEST
 from roboscale.errors import ConfigError, DatasetError
+from roboscale.utils.io import load_json
 
 
 @runtime_checkable
@@ -113,8 +113,10 @@ def _is_lake(path: Path) -> bool:
     manifest = path / MANIFEST
     if not manifest.is_file():
         return False
+    if not (path / "meta" / "info.json").exists():  # no LeRobot dataset: a lake, whose reader names any damage
+        return True
     try:
-        return json.loads(manifest.read_text()).get("format") == LAKE_FORMAT
+        return load_json(manifest.read_text()).get("format") == LAKE_FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 

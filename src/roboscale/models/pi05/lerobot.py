@@ -72,7 +72,6 @@ Processing conventions a LeRobot checkpoint gets (set by ``config_from_lerobot``
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -83,6 +82,7 @@ import torch
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.pi05.modeling import Pi05Policy
+from roboscale.utils.io import load_json
 
 VLM = "model.paligemma_with_expert.paligemma.model."
 VISION = VLM + "vision_tower.vision_model."
@@ -379,7 +379,7 @@ def load_lerobot_pi05(
     directory = Path(directory)
     adapted = config is not None  # fine-tuning's: its widths are a dataset's, whose statistics it sets itself
     if config is None:
-        config = config_from_lerobot(json.loads((directory / "config.json").read_text()), directory / "config.json")
+        config = config_from_lerobot(load_json((directory / "config.json").read_text()), directory / "config.json")
     tokenizer_path = Path(tokenizer_path) if tokenizer_path else directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise CheckpointError(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from roboscale.eval.report import success_table, summarize, write_report
+from roboscale.utils.text import markdown_text
 from roboscale.rollout.episode import EpisodeResult
 from roboscale.utils.stats import two_proportion_test, wilson_interval
 
@@ -172,11 +173,12 @@ def test_report_md_records_the_whole_protocol_and_the_table_with_intervals(repor
     for key, value in PROTOCOL.items():
         if isinstance(value, dict):
             for name, text in value.items():
-                assert re.search(rf"\| {re.escape(name)} \| {re.escape(text)} \|", md), (key, name)
+                assert re.search(rf"\| {re.escape(markdown_text(name))} \| {re.escape(markdown_text(text))} \|",
+                                 md), (key, name)
         elif isinstance(value, list):
-            assert ", ".join(value) in md
+            assert markdown_text(", ".join(value)) in md
         else:
-            assert f"| {value} |" in md, key
+            assert f"| {markdown_text(value)} |" in md, key  # as text: `info['success']` is not a link
     low, high = wilson_interval(7, 10)
     assert f"| drawer-open-v3 | 70% ({low:.0%}–{high:.0%}) | 7/10 | 105 | 44 | 43 | 0 |" in md
     assert "| faucet-open-v3 | 0% (0%–28%) | 0/10 |" in md

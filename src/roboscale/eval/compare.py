@@ -19,6 +19,7 @@ from roboscale.eval.report import html_table, load_report, page, protocol_of, ra
 from roboscale.eval.run_report import EVALS, best_evaluation, best_step, is_training_run, read_evals
 from roboscale.utils.io import atomic_write_bytes
 from roboscale.utils.stats import two_proportion_test
+from roboscale.utils.text import markdown_code, markdown_text
 
 # Protocol fields that change what is recorded, not what is measured: not a reason to warn.
 NOT_COMPARED = ("videos_per_task", "video_camera")
@@ -188,18 +189,21 @@ def _cells(c: Comparison, key: str) -> list[tuple[str, bool]]:
 
 def comparison_markdown(c: Comparison) -> str:
     md = ["# Evaluation comparison", ""]
-    md += [f"- **{run.name}**: `{run.path}` ({run.source}; `{run.report_path}`)" for run in c.runs]
+    md += [f"- **{markdown_text(run.name)}**: {markdown_code(run.path)} ({markdown_text(run.source)}; "
+           f"{markdown_code(run.report_path)})" for run in c.runs]
     md.append("")
     if c.protocol_diffs:
         md += ["> **Warning: the protocols differ**, so differences may come from the protocol, not the policy:", ">"]
-        md += [f"> - {k}: " + "; ".join(f"{run.name} = `{_short(v)}`" for run, v in zip(c.runs, values, strict=True))
+        md += [f"> - {markdown_text(k)}: " + "; ".join(f"{markdown_text(run.name)} = {markdown_code(_short(v))}"
+                                                       for run, v in zip(c.runs, values, strict=True))
                for k, values in c.protocol_diffs.items()]
         md.append("")
-    md += ["| task | " + " | ".join(_headers(c)) + " |", "|---|" + "---:|" * len(_headers(c))]
+    md += ["| task | " + " | ".join(map(markdown_text, _headers(c))) + " |", "|---|" + "---:|" * len(_headers(c))]
     for key in [*c.tasks, "overall"]:
         cells = [f"{text} *" if sig else text for text, sig in _cells(c, key)]
-        md.append(f"| {'**mean**' if key == 'overall' else key} | " + " | ".join(cells) + " |")
-    md += ["", f"Success with its Wilson 95% interval; Δ in percentage points vs {c.runs[0].name}, with the p-value "
+        md.append(f"| {'**mean**' if key == 'overall' else markdown_text(key)} | " + " | ".join(cells) + " |")
+    md += ["", f"Success with its Wilson 95% interval; Δ in percentage points vs {markdown_text(c.runs[0].name)}, "
+               "with the p-value "
                f"of a pooled two-proportion z-test; * significant at p < {ALPHA} (per task, no multiple-test "
                "correction). — : the run has no result for the task. The mean row is the mean of per-task rates with "
                "the interval of all episodes pooled; its difference is over the tasks both runs have."]

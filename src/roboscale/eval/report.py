@@ -23,6 +23,7 @@ from roboscale.eval.plots import BarSeries, bar_chart
 from roboscale.eval.records import problem, read_json_object
 from roboscale.utils.io import atomic_write_bytes, atomic_write_json
 from roboscale.utils.stats import wilson_interval
+from roboscale.utils.text import markdown_code, markdown_text
 
 # Protocol fields in reading order, with their labels; fields not listed here are still shown, after these.
 PROTOCOL_FIELDS = {
@@ -174,7 +175,7 @@ def success_table(columns: dict[str, dict[str, Any]], tasks: list[str], interval
         cells = [cell(columns[n]["per_task"].get(task)) for n in names]
         steps = last["per_task"].get(task)
         steps_text = f"{steps['mean_steps']:.0f}" if steps else "—"
-        lines.append(f"| {task} | " + " | ".join(cells) + f" | {steps_text} |")
+        lines.append(f"| {markdown_text(task)} | " + " | ".join(cells) + f" | {steps_text} |")
     cells = [cell(columns[n]["overall"], bold=True) for n in names]
     lines.append("| **mean** | " + " | ".join(cells) + f" | {last['overall']['mean_steps']:.0f} |")
     return "\n".join(lines)
@@ -201,7 +202,7 @@ def _scalar(value: Any) -> str:
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return markdown_text(text)  # names and values of a dataset, a checkpoint or a crafted report: never markup
 
 
 def protocol_markdown(protocol: dict[str, Any]) -> list[str]:
@@ -212,9 +213,9 @@ def protocol_markdown(protocol: dict[str, Any]) -> list[str]:
         if isinstance(value, dict):
             mappings.append((key, value))
             continue
-        lines.append(f"| {PROTOCOL_FIELDS.get(key, key)} | {_md_cell(_scalar(value))} |")
+        lines.append(f"| {_md_cell(PROTOCOL_FIELDS.get(key, key))} | {_md_cell(_scalar(value))} |")
     for key, value in mappings:
-        lines += ["", f"**{PROTOCOL_FIELDS.get(key, key)}**", ""]
+        lines += ["", f"**{_md_cell(PROTOCOL_FIELDS.get(key, key))}**", ""]
         if not value:
             lines.append("(none)" if key != "instructions" else "(each task's own)")
             continue
@@ -270,11 +271,11 @@ def _title(meta: dict[str, Any]) -> str:
 def markdown_report(summary: dict, tasks: list[str], episodes: list[dict], meta: dict[str, Any],
                     out_dir: Path) -> str:
     overall = summary["overall"]
-    md = [f"# Evaluation: {_title(meta)}", ""]
+    md = [f"# Evaluation: {markdown_text(_title(meta))}", ""]
     for key, label in (("checkpoint", "checkpoint"), ("checkpoint_sha256", "checkpoint sha256"),
                        ("policy_type", "policy")):
         if meta.get(key):
-            md.append(f"- {label}: `{meta[key]}`")
+            md.append(f"- {label}: {markdown_code(meta[key])}")
     md += ["", f"**{overall['success_rate']:.0%} mean success** over {len(tasks)} tasks, {overall['successes']}/"
                f"{overall['episodes']} episodes (Wilson 95% interval of all episodes pooled: "
                f"{overall['ci_low']:.0%}–{overall['ci_high']:.0%}).", "", "## Results", ""]
@@ -284,7 +285,8 @@ def markdown_report(summary: dict, tasks: list[str], episodes: list[dict], meta:
     for task in tasks:
         s = summary["per_task"][task]
         win_steps = "—" if s["mean_steps_success"] is None else f"{s['mean_steps_success']:.0f}"
-        md.append(f"| {task} | {rate_with_interval(s)} | {s['successes']}/{s['episodes']} | {s['mean_steps']:.0f} "
+        md.append(f"| {markdown_text(task)} | {rate_with_interval(s)} | {s['successes']}/{s['episodes']} | "
+                  f"{s['mean_steps']:.0f} "
                   f"| {s['median_steps']:.0f} | {win_steps} | {s['errors']} |")
     md.append(f"| **mean** | **{overall['success_rate']:.0%}** | {overall['successes']}/{overall['episodes']} | "
               f"{overall['mean_steps']:.0f} | {overall['median_steps']:.0f} | | |")
@@ -296,7 +298,8 @@ def markdown_report(summary: dict, tasks: list[str], episodes: list[dict], meta:
     videos = [e for e in episodes if e.get("video")]
     if videos:
         md += ["", "## Videos", ""]
-        md += [f"- [{e['task']} #{e['episode']}: {'success' if e['success'] else 'failure'}, {e['steps']} steps]"
+        md += [f"- [{markdown_text(e['task'])} #{e['episode']}: {'success' if e['success'] else 'failure'}, "
+               f"{e['steps']} steps]"
                f"({video_href(e['video'], out_dir)})" for e in videos]
     return "\n".join(md)
 
@@ -306,13 +309,14 @@ def _problems_markdown(retries: list[dict], episodes: list[dict]) -> list[str]:
     if retries:
         md += ["", "## Simulator retries", "", f"Attempts that crashed or hung and were retried: {len(retries)}.", "",
                "| task | episode | attempt | reason |", "|---|---:|---:|---|"]
-        md += [f"| {r.get('task')} | {r.get('episode')} | {r.get('attempt')} | {_md_cell(str(r.get('reason')))} |"
+        md += [f"| {_md_cell(r.get('task'))} | {_md_cell(r.get('episode'))} | {_md_cell(r.get('attempt'))} | "
+               f"{_md_cell(str(r.get('reason')))} |"
                for r in retries]
     failed = [e for e in episodes if e.get("error")]
     if failed:
         md += ["", "## Episodes that failed every attempt (counted as failures)", "",
                "| task | episode | attempts | error |", "|---|---:|---:|---|"]
-        md += [f"| {e['task']} | {e['episode']} | {e.get('attempts', 1)} | {_md_cell(str(e['error']))} |"
+        md += [f"| {_md_cell(e['task'])} | {e['episode']} | {e.get('attempts', 1)} | {_md_cell(str(e['error']))} |"
                for e in failed]
     return md
 

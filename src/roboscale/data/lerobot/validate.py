@@ -22,6 +22,7 @@ Two depths:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from roboscale.data.lerobot.depth import DepthQuantization, is_depth_map
 from roboscale.data.lerobot.format import timestamp_problem
 from roboscale.data.lerobot.video import decode_frames, decode_png, frame_times
 from roboscale.errors import DatasetError
+from roboscale.utils.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +162,6 @@ class Report:
                 if ep in self.episode_ids:  # rows of unlisted episodes are never read: nothing to skip
                     out.setdefault(ep, str(problem))
         return dict(sorted(out.items()))
-
-
-def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on (escape sequences, newlines, bidi controls) written
-    as its escape, ``\\x1b``: a dataset's strings can then neither clear the screen nor forge a line of output."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _ranges(values: Iterable[int]) -> str:
@@ -728,6 +724,17 @@ def _codec_summary(feature: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _tool_names(tools: Any) -> list[str]:
+    """What ``data info`` shows of info.json's ``tools``: each function's name; anything else as it is written
+    (a string is one value, not one entry per character)."""
+    if not tools:
+        return []
+    if not isinstance(tools, list):
+        return [json.dumps(tools) if not isinstance(tools, str) else tools]
+    return [str((t.get("function") or {}).get("name", json.dumps(t))) if isinstance(t, dict) else
+            (t if isinstance(t, str) else json.dumps(t)) for t in tools]
+
+
 def _language_summary(root: Path, key: str, info: fmt.DatasetInfo) -> str:
     """What a language column holds, from the parquet footer alone: its row fields."""
     files = sorted((root / "data").glob("*/*.parquet"))[:1]
@@ -792,7 +799,7 @@ def summarize(root: str | Path) -> DatasetSummary:
     numeric = [k for k in fmt.stats_features(info.features) if not fmt.is_camera(info.features[k])]
     quantiles = bool(numeric) and all("q01" in stats.get(k, {}) and "q99" in stats.get(k, {}) for k in numeric)
     sizes, counts = _disk_usage(root, info.video_keys)
-    tools = [str((t.get("function") or {}).get("name", "?")) if isinstance(t, dict) else "?" for t in info.tools or []]
+    tools = _tool_names(info.tools)
     return DatasetSummary(root, info.codebase_version, info.fps, info.robot_type, info.total_episodes,
                           info.total_frames, tasks, features, lengths, sizes, counts, quantiles, info.chunks_size,
                           info.data_files_size_in_mb, info.video_files_size_in_mb, tools)

@@ -16,6 +16,7 @@ sample (main process + workers, after a warm-up), and the ratios against (a), al
     .venv/bin/python benchmarks/loader.py --image-size 480 # cameras at 480² in the raw files (the lake: 224²)
     .venv/bin/python benchmarks/loader.py --elastic        # the cost of elastic batches: (b) on rank 0 of 1 and of 4
     .venv/bin/python benchmarks/loader.py --checksum       # the cost of the shard checksum on open: (c) vs (d)
+    .venv/bin/python benchmarks/loader.py --finite         # the cost of the NaN/Inf check of a shard on open
 
 ``--elastic``: the global batch of 32 is split over ranks (``roboscale.data.loading.plan``); rank 0 of 4 reads 8
 samples of each batch, a quarter of each block. Reports, side by side in one run, rank 0's CPU-seconds and decode
@@ -257,6 +258,7 @@ def main() -> None:
                         help="camera side of the raw dataset (the lake always holds 224²: the policy's resolution)")
     parser.add_argument("--elastic", action="store_true", help="the cost of elastic batches (see above)")
     parser.add_argument("--checksum", action="store_true", help="the cost of the shard checksum on open (see above)")
+    parser.add_argument("--finite", action="store_true", help="the cost of the NaN/Inf check of a shard on open")
     parser.add_argument("--repeat", type=int, default=3, help="--checksum: runs of each configuration (medians)")
     parser.add_argument("--one", choices=["a", "b", "c", "d"], help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -271,6 +273,9 @@ def main() -> None:
         elastic(args)
         return
     have_lake = ensure_lake(args.image_size)
+    if args.finite:
+        finite(args)
+        return
     if args.checksum:
         checksum(args)
         return
@@ -350,6 +355,30 @@ def checksum(args: argparse.Namespace) -> None:
           f"({lake_mb / hashing:,.0f} MB/s), once per machine whatever its workers and ranks (later runs: none): "
           f"{hashing / frames * 1e3:.2f} ms per sample of the first epoch ({frames} samples), against (c)'s "
           f"{c['cpu_s'] / c['samples'] * 1e3:.2f} ms and (b)'s {b['cpu_s'] / b['samples'] * 1e3:.2f} ms per sample")
+
+
+def finite(args: argparse.Namespace) -> None:
+    """The cost of the NaN/Inf check of a shard's float columns when it is opened: every shard of the lake opened
+    with and without it (interleaved, medians), CPU-s per shard and per sample."""
+    from roboscale.data.lake.source import LakeSource
+
+    _, lake = _paths(args.image_size)
+    source = LakeSource(lake, verify_on_open=False)
+    real = LakeSource._check_finite
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    for _ in range(args.repeat):
+        for which in times:
+            source._check_finite = real.__get__(source) if which == "with" else (lambda *a, **k: None)
+            t0 = time.process_time()
+            for index in range(len(source.manifest["shards"])):
+                source._open(index)
+                source._open_shards.clear()
+            times[which].append(time.process_time() - t0)
+    opened, bare = (float(np.median(times[k])) for k in ("with", "without"))
+    shards, frames = len(source.manifest["shards"]), len(source)
+    print(f"opening all {shards} shards ({frames} samples), medians of {args.repeat}: {opened:.3f} CPU-s with the "
+          f"NaN/Inf check, {bare:.3f} without: {opened / bare:.3f}x; the check costs "
+          f"{(opened - bare) / shards * 1e3:.2f} ms per shard, {(opened - bare) / frames * 1e6:.2f} us per sample")
 
 
 def _hash_cpu_s(lake: Path) -> float:

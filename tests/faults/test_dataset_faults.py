@@ -154,3 +154,25 @@ def test_annotations_that_cannot_be_read_fail_only_who_reads_them(tmp_path: Path
     with pytest.raises(DatasetError) as err:
         open_source(root).read(0, np.array([0]), ["language_events"])
     assert str(err.value).startswith(f"{data}: episode 0: field 'language_events': annotations that cannot be read")
+
+
+def test_an_rgb_camera_marked_as_a_depth_map_is_a_problem_not_a_silent_omission(tmp_path: Path) -> None:
+    """Before (issue 31): `is_depth_map: true` on an RGB camera of a 0.6 dataset validated, and training left that
+    camera out of the policy without a word. Now both checks name the camera and say what to fix, and training
+    refuses the dataset up front."""
+    import json
+
+    from .entry_points import run_cli, train_args
+
+    root = tmp_path / "dataset"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "lerobot-0.6-mini", root)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.images.corner"]["info"]["is_depth_map"] = True
+    info_path.write_text(json.dumps(info))
+    for quick in (False, True):
+        problems = [str(p) for p in validate(root, full=not quick).problems]
+        assert any("field 'observation.images.corner'" in p and "not a gray depth stream" in p for p in problems), \
+            (quick, problems)
+    outcome = run_cli(*train_args(root, tmp_path))
+    assert outcome.kind == "error" and "is_depth_map" in outcome.message, outcome.message

@@ -284,3 +284,54 @@ def test_a_deeply_nested_manifest_is_one_line_in_every_command(lake_copy: Path, 
         code, line = _cli(capsys, *argv)
         assert code == 1 and line.startswith(f"error: {lake_copy / 'manifest.json'}: "), (argv[0], line)
         assert "nested too deeply" in line
+
+
+# ------------------------------------------------------------------------- NaN/Inf inside consistent checksums
+
+
+def _nan_in_shard_actions(lake: Path) -> Path:
+    """NaN in one action of episode 3 (shard-00001), the manifest's size and sha256 rewritten to match: what a
+    buggy writer or a crafted lake looks like (every checksum consistent)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from roboscale.utils.io import sha256_file
+
+    target = lake / "shards" / "shard-00001" / "columns.parquet"
+    table = pq.read_table(target)
+    actions = table.column("action").to_pylist()
+    actions[-1] = [float("nan")] * len(actions[-1])
+    index = table.schema.get_field_index("action")
+    table = table.set_column(index, table.schema.field("action"), pa.array(actions, type=table.schema.field("action").type))
+    pq.write_table(table, target)
+    for name in ("manifest.json", "shards/shard-00001/shard.json"):
+        path = lake / name
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        for shard in record.get("shards", [record]):
+            files = shard.get("files", {})
+            if "columns.parquet" in files and (name == "manifest.json" and shard.get("name") == "shard-00001"
+                                               or name != "manifest.json"):
+                files["columns.parquet"].update(bytes=target.stat().st_size, sha256=sha256_file(target))
+        path.write_text(json.dumps(record))
+    return target
+
+
+def test_nan_in_a_lake_with_consistent_checksums_is_refused_like_a_datasets(lake_copy: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Before (issue 31): `lake verify` said ok and `train` exited 0 with half its steps skipped. Now `lake verify`,
+    the loader and `train` name the file, the field and the lake episode; --skip-bad-episodes skips that shard's
+    episodes."""
+    from .entry_points import TINY_PI05
+
+    target = _nan_in_shard_actions(lake_copy)
+    code, line = _cli(capsys, "lake", "verify", str(lake_copy))
+    assert code == 1 and line.startswith(f"error: {target}: field 'action': ") and "lake episodes [3]" in line, line
+    with pytest.raises(DatasetError, match=r"field 'action': .*NaN or Inf \(lake episodes \[3\]\)"):
+        _epoch(lake_copy)
+    episodes, skipped = _epoch(lake_copy, skip_bad_episodes=True)
+    assert episodes == {0, 1, 4} and set(skipped) == {(str(lake_copy), 2), (str(lake_copy), 3)}
+    code, line = _cli(capsys, "train", f"--dataset.root={lake_copy}", f"--output_dir={tmp_path / 'run'}",
+                      "--steps=2", "--batch_size=4", *TINY_PI05)
+    assert code == 1 and f"{target}: field 'action'" in line, line

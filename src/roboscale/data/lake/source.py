@@ -12,8 +12,10 @@ first opened (``verify_on_open``, on by default: altered bytes of the same size 
 A file is hashed once per version of it (``utils.io.file_identity``) on a machine, whatever the number of
 processes and runs reading it (``utils.io.HashChecks``): a shard the LRU evicted costs a stat per file when it is
 opened again. A mismatch is a ``DatasetError`` naming the file, which the loader reports, or skips the shard's
-episodes with ``skip_bad_episodes``. ``verify=True`` hashes every shard file again at construction (``roboscale
-lake verify``), and ``verify_checksums()`` does it on demand. Every path made from the manifest is checked to
+episodes with ``skip_bad_episodes``. A shard's float columns are checked for NaN/Inf when it is opened, as a raw
+dataset's are before training (a writer's bug or a crafted lake keeps its checksums consistent). ``verify=True``
+hashes every shard file again at construction and opens every shard (``roboscale lake verify``), and
+``verify_checksums()`` hashes on demand. Every path made from the manifest is checked to
 stay inside the lake (``format.unsafe_path``) when the manifest is read.
 """
 
@@ -92,6 +94,7 @@ class LakeSource:
         self._reset_handles()
         if verify:
             self.verify_checksums()
+            self.verify_values()
 
     # ------------------------------------------------------------------ manifest
 
@@ -224,11 +227,36 @@ class LakeSource:
         except (OSError, pa.ArrowException) as e:
             raise DatasetError(base / SHARD_COLUMNS, f"cannot read parquet: {e}") from None
         columns = {k: column_to_numpy(table[k], self.features[k], base / SHARD_COLUMNS, k) for k in self.numeric_keys}
+        self._check_finite(index, base / SHARD_COLUMNS, columns)
         shard = _OpenShard(frames, columns)
         self._open_shards[index] = shard
         while len(self._open_shards) > self.max_open_shards:
             self._open_shards.popitem(last=False)  # dropping the memmap unmaps it
         return shard
+
+    def _check_finite(self, index: int, path: Path, columns: Mapping[str, np.ndarray]) -> None:
+        """NaN or Inf in a shard's float columns (a writer's bug or a crafted lake whose checksums agree) is a
+        DatasetError naming the file, the field and the lake episodes, as a raw dataset's is before training; a few
+        microseconds per shard next to reading it (docs/benchmarks.md)."""
+        starts = self._episodes["offset"].astype(np.int64)
+        lengths = self._episodes["length"].astype(np.int64)
+        mine = np.flatnonzero(self._episodes["shard"] == index)
+        for key, values in columns.items():
+            if values.dtype.kind != "f":
+                continue
+            bad = ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+            if not bad.any():
+                continue
+            episodes = [int(e) for e in mine if bad[starts[e]:starts[e] + lengths[e]].any()]
+            raise DatasetError(path, f"{int(bad.sum())} rows with NaN or Inf (lake episodes {episodes}): a lake is "
+                                     "checked for them only when a shard is opened; rebuild it from the source "
+                                     "datasets, which `data validate` checks", field=key)
+
+    def verify_values(self) -> None:
+        """Open every shard once: its float columns checked for NaN/Inf (``roboscale lake verify``)."""
+        for index in range(len(self._shards)):
+            self._open(index)
+            self._open_shards.pop(index, None)
 
     def _shard_dir(self, meta: Mapping[str, Any]) -> Path:
         return self.root / SHARDS_DIR / meta["name"]

@@ -567,11 +567,17 @@ class _Checker:
                     raise DatasetError(path, "file has no video stream")
                 cc = container.streams.video[0].codec_context
                 codec, width, height = cc.codec.canonical_name, cc.width, cc.height
+                pixels = cc.format.name if cc.format is not None else ""
         except (av.FFmpegError, OSError) as e:
             raise DatasetError(path, f"cannot open video (corrupt or truncated?): {e}") from None
         h, w, _ = fmt.image_hwc(feature)
         if (height, width) != (h, w):
             self.add(path, f"video is {width}x{height}, meta/info.json declares {w}x{h}", field=key)
+        if is_depth_map(feature) and not pixels.startswith("gray"):
+            # an RGB stream marked as a depth map would be read as distances, and left out of every policy's cameras
+            self.add(path, f"meta/info.json marks this camera a depth map (is_depth_map: true), but its stream is "
+                           f"{pixels or 'of unknown pixel format'}, not a gray depth stream: set is_depth_map to "
+                           "false if it is an RGB camera", field=key)
         declared = (feature.get("info") or {}).get("video.codec")
         if isinstance(declared, str) and declared != codec:
             self.add(path, f"video codec is {codec}, meta/info.json declares {declared}", field=key)

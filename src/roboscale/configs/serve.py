@@ -43,8 +43,14 @@ class ServeConfig:
     batch_timeout_ms: float = 5.0
     """How long the first waiting observation waits for others (a batch goes at once when every connection has
     asked)."""
-    max_message_mb: float = 16.0
-    """The largest message a client may send (a larger one closes its connection with code 1009)."""
+    max_message_mb: float = 4.0
+    """The largest message a client may send (a larger one closes its connection with code 1009, before it is
+    read). 4 MiB holds four 640x480 RGB frames (the server fits them to the policy's size); a message of that size
+    holds the server's connection loop a few ms (websockets reads and unmasks a frame whole), which the other
+    connections wait for: raise it only for clients that need it."""
+    max_prompt_chars: int = 2000
+    """The longest instruction a client may send (a longer one is refused in an error frame): its tokenizing runs
+    with the model's batch."""
     rtc: bool = False
     """Real-time chunking: a request that carries ``committed`` (the previous chunk's actions not yet executed)
     and ``delay`` (of those, how many run before this chunk arrives) gets a chunk guided to agree with them."""
@@ -65,7 +71,7 @@ class ServeConfig:
 
         if self.rtc_schedule not in SCHEDULES:
             raise ConfigError(f"--rtc_schedule must be one of {list(SCHEDULES)}, got {self.rtc_schedule!r}")
-        for name in ("max_batch_size",):
+        for name in ("max_batch_size", "max_prompt_chars"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("max_message_mb", "rtc_max_guidance", "shutdown_grace_s"):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from roboscale.configs.rollout import SAMPLERS
-from roboscale.errors import CheckpointError
+from roboscale.errors import CheckpointError, ConfigError
 from roboscale.rollout.noise import chunk_noise, step_noise, stochastic_steps
 
 if TYPE_CHECKING:
@@ -95,10 +95,18 @@ class RunnerSettings:
 
 
 def resolve_device(device: str) -> str:
+    """``auto`` as cuda where there is one, else cpu; a CUDA device this machine does not have is a ConfigError
+    naming the option (torch's own failure is an AssertionError deep in the first ``.to``)."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        index = device.partition(":")[2]
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (index.isdigit() and int(index) >= count):
+            raise ConfigError(f"--device={device}: this machine has {count} CUDA devices (torch {torch.__version__}); "
+                              "use --device=cpu, or auto")
     return device
 
 

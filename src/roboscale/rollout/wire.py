@@ -12,6 +12,7 @@ array is made (a tiny message cannot declare a terabyte array).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -27,20 +28,43 @@ class WireError(ValueError):
     """A message that is not openpi's msgpack-numpy, or holds what we do not accept (one line, for the peer)."""
 
 
+@dataclass(frozen=True)
+class WireLimits:
+    """What one message from an untrusted peer may hold, checked by msgpack against each length header before
+    anything is built, so a small message cannot make the reader build millions of objects (15 MiB of empty maps
+    held a server's loop for 4 s) and a string cannot be larger than its reader will take."""
+
+    max_str_bytes: int = 1 << 20
+    max_array_len: int = 4096
+    """Items of one msgpack array (a state sent as a list, an array's shape: arrays' data travel as bytes)."""
+    max_map_len: int = 256
+    option: str = ""
+    """The option that sets ``max_str_bytes`` (named in the error)."""
+
+
 def pack(obj: Any) -> bytes:
     """``obj`` (dicts, lists, numbers, strings, numpy arrays and scalars) as one msgpack message."""
     return msgpack.packb(obj, default=_pack_array)
 
 
-def unpack(data: bytes) -> Any:
-    """One message back into Python and numpy objects; ``WireError`` naming what is wrong."""
+def unpack(data: bytes, limits: WireLimits | None = None) -> Any:
+    """One message back into Python and numpy objects; ``WireError`` naming what is wrong. ``limits``: what a
+    message from an untrusted peer may hold (None: msgpack's own, for a peer we started)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError(f"expected a binary msgpack message, got {type(data).__name__}")
+    sizes = {} if limits is None else {"max_str_len": limits.max_str_bytes, "max_array_len": limits.max_array_len,
+                                       "max_map_len": limits.max_map_len}
     try:
-        return msgpack.unpackb(data, object_hook=_unpack_array, ext_hook=_refuse_ext, raw=False)
+        return msgpack.unpackb(data, object_hook=_unpack_array, ext_hook=_refuse_ext, raw=False, **sizes)
     except WireError:
         raise
     except (msgpack.UnpackException, ValueError, TypeError) as exc:  # ExtraData, FormatError, StackError, ...
+        if limits is not None and "max_str_len" in str(exc):
+            raise WireError(f"a string in the message is longer than this server takes ({limits.max_str_bytes} "
+                            f"bytes{', ' + limits.option if limits.option else ''})") from None
+        if limits is not None and ("max_array_len" in str(exc) or "max_map_len" in str(exc)):
+            raise WireError(f"the message holds an array or map longer than this server takes "
+                            f"({limits.max_array_len} items, {limits.max_map_len} keys)") from None
         raise WireError(f"not a msgpack message ({type(exc).__name__}: {exc})") from None
 
 

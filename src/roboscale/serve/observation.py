@@ -40,6 +40,44 @@ class ObservationError(ValueError):
     """An observation the policy cannot take (one line naming the key, for the client's error frame)."""
 
 
+OUT_OF_RANGE = 10.0
+"""A state value, or a committed action, this many normalized units beyond the checkpoint's statistics (the q01..q99
+or min..max band of its training data is [-1, 1]; mean_std: standard deviations) is refused: far outside anything
+the policy was trained on, it yields meaningless (at 3e38: NaN) actions."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values of one input the server accepts, per dimension, in the dataset's units."""
+
+    low: np.ndarray
+    high: np.ndarray
+
+    @classmethod
+    def of(cls, normalizer: Any) -> Bounds | None:
+        """``OUT_OF_RANGE`` normalized units either side, in the data's width; None for an identity normalizer
+        (no statistics to judge by: only finiteness is checked)."""
+        if normalizer.mode.value == "identity":
+            return None
+        with torch.no_grad():
+            low = normalizer.unnormalize(torch.full((normalizer.dim,), -OUT_OF_RANGE)).numpy()
+            high = normalizer.unnormalize(torch.full((normalizer.dim,), OUT_OF_RANGE)).numpy()
+        return cls(np.minimum(low, high).astype(np.float32), np.maximum(low, high).astype(np.float32))
+
+    def check(self, values: np.ndarray, key: str, what: str) -> None:
+        outside = np.flatnonzero(((values < self.low) | (values > self.high)).reshape(-1, len(self.low)).any(0))
+        if outside.size:
+            i = int(outside[0])
+            worst = values.reshape(-1, len(self.low))[:, i]
+            value = float(worst[np.argmax(np.abs(worst - (self.low[i] + self.high[i]) / 2))])
+            raise ObservationError(f"{key!r} dimension {i} is {value:.6g}, far outside the checkpoint's {what} "
+                                   f"statistics (accepted: {self.low[i]:.6g} .. {self.high[i]:.6g}, "
+                                   f"{OUT_OF_RANGE:g} normalized units either side of its training data)")
+
+    def describe(self) -> dict[str, list[float]]:
+        return {"low": self.low.tolist(), "high": self.high.tolist()}
+
+
 @dataclass(frozen=True)
 class ObservationLayout:
     cameras: dict[str, str]
@@ -54,12 +92,19 @@ class ObservationLayout:
     image_size: int
     rtc: bool = False
     """Whether requests may carry ``committed`` and ``delay`` (real-time chunking)."""
+    max_prompt_chars: int = 2000
+    state_bounds: Bounds | None = None
+    """The state values accepted (None: any finite value)."""
+    action_bounds: Bounds | None = None
+    """The committed actions accepted (None: any finite value)."""
 
     @classmethod
-    def for_policy(cls, policy_cfg: Any, preset: str, key_map: dict[str, str], rtc: bool = False
-                   ) -> ObservationLayout:
-        """The layout of ``preset`` for this policy config, ``key_map`` applied over it; ConfigError naming the
-        option when a camera has no key or a ``key_map`` entry names no input of the policy."""
+    def for_policy(cls, policy: Any, preset: str, key_map: dict[str, str], rtc: bool = False,
+                   max_prompt_chars: int = 2000) -> ObservationLayout:
+        """The layout of ``preset`` for this policy, ``key_map`` applied over it; ConfigError naming the option
+        when a camera has no key or a ``key_map`` entry names no input of the policy. The accepted ranges of the
+        state and of committed actions come from the policy's normalization statistics (``Bounds``)."""
+        policy_cfg = policy.config
         names = [key.removeprefix("observation.images.") for key in policy_cfg.image_keys]
         if preset == "checkpoint":
             cameras = {name: f"observation.images.{name}" for name in names}
@@ -85,14 +130,20 @@ class ObservationLayout:
                               "--key_map")
         return cls(cameras, state, prompt, policy_cfg.dataset_state_dim or policy_cfg.state_dim,
                    policy_cfg.dataset_action_dim or policy_cfg.action_dim, policy_cfg.chunk_size,
-                   policy_cfg.image_size, rtc)
+                   policy_cfg.image_size, rtc, max_prompt_chars, Bounds.of(policy.state_normalizer),
+                   Bounds.of(policy.action_normalizer))
 
     def describe(self) -> dict[str, Any]:
         """The layout for the server's metadata: what a client must send."""
         return {"images": dict(self.cameras), "state": list(self.state), "state_dim": self.state_dim,
                 "prompt": list(self.prompt), "image_size": self.image_size, "action_dim": self.action_dim,
                 "chunk_size": self.chunk_size, "optional": ["seed", "chunk_index"] + (
-                    ["committed", "delay"] if self.rtc else [])}
+                    ["committed", "delay"] if self.rtc else []),
+                "max_prompt_chars": self.max_prompt_chars,
+                "accepted": {"state": None if self.state_bounds is None else self.state_bounds.describe(),
+                             "committed": None if self.action_bounds is None else self.action_bounds.describe(),
+                             "rule": f"values beyond {OUT_OF_RANGE:g} normalized units of the checkpoint's "
+                                     "statistics are refused"}}
 
     def parse(self, observation: Any, default_seed: int) -> PredictItem:
         """A client's observation as a ``PredictItem`` (``default_seed``: the noise seed when it sends none)."""
@@ -103,6 +154,8 @@ class ObservationLayout:
         if state.shape != (self.state_dim,):
             where = "+".join(self.state)
             raise ObservationError(f"{where!r} has {state.size} values; this policy reads a state of {self.state_dim}")
+        if self.state_bounds is not None:
+            self.state_bounds.check(state, "+".join(self.state), "state")
         seed = _integer(observation, "seed", default_seed, MAX_SEED)
         chunk_index = _integer(observation, "chunk_index", 0, MAX_SEED)
         committed, delay = self._committed(observation)
@@ -117,6 +170,9 @@ class ObservationLayout:
                 if not isinstance(value, str):
                     raise ObservationError(f"{key!r} must be a string (the task instruction), got "
                                            f"{type(value).__name__}")
+                if len(value) > self.max_prompt_chars:
+                    raise ObservationError(f"{key!r} has {len(value)} characters; this server takes at most "
+                                           f"{self.max_prompt_chars} (--max_prompt_chars)")
                 return value
         raise ObservationError(f"missing key {self.prompt[0]!r} (the task instruction, a string)")
 
@@ -131,6 +187,8 @@ class ObservationLayout:
         if committed.shape[1] != self.action_dim or not 0 < committed.shape[0] <= self.chunk_size:
             raise ObservationError(f"'committed' has shape {list(committed.shape)}; expected [n, {self.action_dim}] "
                                    f"with 1 <= n <= {self.chunk_size} (the previous chunk's actions not yet executed)")
+        if self.action_bounds is not None:
+            self.action_bounds.check(committed, "committed", "action")
         delay = _integer(observation, "delay", 0, committed.shape[0] + 1)
         return committed, delay
 

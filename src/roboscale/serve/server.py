@@ -9,7 +9,9 @@ One process, two threads with one job each: the asyncio loop (a thread of its ow
 stalled or vanished client only ever blocks its own handler), and the thread that calls ``run`` (the main one)
 owns the policy, predicting the observations of all connections in dynamic batches
 (``rollout.batcher.DynamicBatcher``, the engine's own; each connection has at most one request in flight, so a
-batch goes as soon as every connection has asked). A chunk's noise is drawn from the
+batch goes as soon as every connection whose last message asked for a chunk has asked). Decoding a message and
+fitting its images run on a small thread pool, off both: a client's large or malformed message delays only its
+own answer. A chunk's noise is drawn from the
 request's ``seed`` and ``chunk_index`` alone (``rollout.noise``), so the same observation and seed give the same
 chunk whatever else shares its batch.
 
@@ -26,6 +28,7 @@ closed with 1001 (going away).
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import http
 import itertools
@@ -35,6 +38,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +49,7 @@ from roboscale.errors import ConfigError
 from roboscale.rollout.batcher import DynamicBatcher
 from roboscale.rollout.inference import Prediction, PredictItem, RunnerSettings, inference_threads
 from roboscale.rollout.remote import read_key, require_websockets
-from roboscale.rollout.wire import WireError, pack, unpack
+from roboscale.rollout.wire import WireError, WireLimits, pack, unpack
 from roboscale.serve.observation import ObservationError, ObservationLayout
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,9 @@ class _Connection:
     requests: int = 0
     errors: int = 0
     busy_s: float = 0.0
+    predicting: bool = False
+    """Its last message asked the model for a chunk: a batch waits for the connections that predict, and one whose
+    messages are refused (a broken or hostile client) must not make every other robot wait out the timeout."""
 
 
 class PolicyServer:
@@ -92,7 +99,11 @@ class PolicyServer:
                                   rtc_schedule=cfg.rtc_schedule, rtc_max_guidance=cfg.rtc_max_guidance)
         self.runner = settings.build()  # a bad checkpoint fails here, before the port is opened
         policy_cfg = self.runner.policy.config
-        self.layout = ObservationLayout.for_policy(policy_cfg, cfg.keys, cfg.key_map, cfg.rtc)
+        self.layout = ObservationLayout.for_policy(self.runner.policy, cfg.keys, cfg.key_map, cfg.rtc,
+                                                   cfg.max_prompt_chars)
+        # a message's strings: the prompt (up to 4 UTF-8 bytes a character) and short keys
+        self.limits = WireLimits(max_str_bytes=max(4 * cfg.max_prompt_chars, 1024),
+                                 option=f"--max_prompt_chars={cfg.max_prompt_chars}")
         self.metadata = {
             "server": "roboscale", "policy": self.runner.policy.name, "checkpoint": str(checkpoint),
             "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"),
@@ -109,6 +120,9 @@ class PolicyServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stop_requested = threading.Event()
+        # decoding a message and fitting its images are each connection's own work: off the loop that every
+        # connection shares, and off the model's thread (a 15 MiB message held both for seconds: issue 31)
+        self._parsing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="policy-parse")
 
     # --- lifetime -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -137,9 +151,13 @@ class PolicyServer:
         finally:
             self.stop()
             connections.join(timeout=self.cfg.shutdown_grace_s + 30)
+            self._parsing.shutdown(wait=False, cancel_futures=True)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         if failure:
+            if isinstance(failure[0], OSError) and failure[0].errno == errno.EADDRINUSE:
+                raise ConfigError(f"--port={self.cfg.port}: already in use on {self.cfg.host} (another server?); "
+                                  "choose another port, or 0 for any free one") from None
             raise failure[0]
 
     def stop(self) -> None:
@@ -202,7 +220,14 @@ class PolicyServer:
         if request.path == HEALTH_PATH:
             return connection.respond(http.HTTPStatus.OK, "OK\n")
         if self.api_key is not None:
-            given = request.headers.get("Authorization", "")
+            try:
+                given = request.headers.get("Authorization", "")
+            except Exception:  # websockets' MultipleValuesError: two Authorization headers are no key at all
+                given = None
+            if given is None:
+                log.warning("refused %s: more than one Authorization header", _peer(connection))
+                return connection.respond(http.HTTPStatus.UNAUTHORIZED,
+                                          "send exactly one 'Authorization: Api-Key KEY' header\n")
             if not hmac.compare_digest(given.encode(), f"Api-Key {self.api_key}".encode()):
                 log.warning("refused %s: %s API key", _peer(connection), "a wrong" if given else "no")
                 return connection.respond(http.HTTPStatus.UNAUTHORIZED,
@@ -214,7 +239,6 @@ class PolicyServer:
 
         info = _Connection(next(self._numbers), _peer(ws))
         self._connections[ws] = info
-        self.batcher.set_producers(len(self._connections))
         log.info("connection %d from %s opened", info.number, info.peer)
         try:
             await ws.send(pack(self.metadata))
@@ -225,7 +249,7 @@ class PolicyServer:
             pass
         finally:
             del self._connections[ws]
-            self.batcher.set_producers(len(self._connections))
+            self._count_producers()
             mean = info.busy_s / info.requests * 1000 if info.requests else 0.0
             log.info("connection %d from %s closed (%s): %d requests, %d errors, mean %.1f ms", info.number,
                      info.peer, ws.close_code, info.requests, info.errors, mean)
@@ -239,9 +263,15 @@ class PolicyServer:
                 raise ObservationError("send observations as binary msgpack frames, not text")
             if self._draining:
                 raise ObservationError("the server is shutting down")
-            item = self.layout.parse(unpack(message), default_seed=secrets.randbits(63))
+            item = await asyncio.get_running_loop().run_in_executor(self._parsing, self._parse, message)
+            self._predicting(info, True)
             answer = await self._infer(item)
+            chunk = np.asarray(answer.prediction.chunk, dtype=np.float32)
+            if not np.isfinite(chunk).all():  # never a success: a robot must not execute NaN
+                raise ObservationError("the policy's actions for this observation are not finite (NaN or Inf); "
+                                       "the other clients of its batch are unaffected")
         except (WireError, ObservationError, ValueError) as exc:
+            self._predicting(info, False)
             info.errors += 1
             log.info("connection %d: refused a request: %s", info.number, exc)
             return f"error: {exc}"
@@ -251,10 +281,22 @@ class PolicyServer:
             return f"error: prediction failed ({type(exc).__name__}: {exc})"
         total_ms = (time.perf_counter() - start) * 1000
         info.busy_s += total_ms / 1000
-        return pack({"actions": np.asarray(answer.prediction.chunk, dtype=np.float32),
+        return pack({"actions": chunk,
                      "seed": item.noise_seed, "policy_version": answer.prediction.version,
                      "server_timing": {"infer_ms": answer.infer_ms, "total_ms": total_ms,
                                        "batch_size": answer.batch_size}})
+
+    def _predicting(self, info: _Connection, predicting: bool) -> None:
+        if info.predicting != predicting:
+            info.predicting = predicting
+            self._count_producers()
+
+    def _count_producers(self) -> None:
+        self.batcher.set_producers(sum(c.predicting for c in self._connections.values()))
+
+    def _parse(self, message: bytes) -> PredictItem:
+        """A message as the model's input (on a parsing thread): decoded within the limits, checked, images fitted."""
+        return self.layout.parse(unpack(message, self.limits), default_seed=secrets.randbits(63))
 
     async def _infer(self, item: PredictItem) -> _Answer:
         loop = asyncio.get_running_loop()

@@ -2,10 +2,11 @@
 level's idle share, and what the rollouts achieved, on MetaWorld with a long-tailed step latency
 (`roboscale.sim.latency:METAWORLD_LONG_TAIL`: lognormal, median 20 ms, p99 200 ms, a wait that takes no CPU).
 
-Every run is the same `roboscale rl` command (the same checkpoint, tasks, seeds, steps) but for `--rl.mode` and
-`--rl.max_staleness`: sync (roll out everything, then train), async at staleness 0 (the sync run's updates; the
-gain only from computing the gradients of finished groups while others still run), and async at staleness 1 and 2
-(simulators and generators run the next rollouts with weights up to that many rollouts old). From each run's
+Every run is the same `roboscale rl` command (the same checkpoint, tasks, seeds, steps) but for `--rl.mode`,
+`--rl.max_staleness` and `--rl.schedule`: sync (roll out everything, then train), async at staleness 0 (the sync
+run's updates; the gain only from computing the gradients of finished groups while others still run), and async at
+staleness 1 and 2 (simulators and generators run the next rollouts with weights that many rollouts old: exactly, or
+with `-bounded` at most). From each run's
 `rollouts.jsonl` and `metrics.jsonl`:
 
 - env-steps/s and trainer samples/s (episodes trained per second) over the run's wall time, and their ratio to sync;
@@ -37,8 +38,11 @@ from rl_closed_loop import ROBOSCALE, stage, wilson  # noqa: E402
 
 MODES = {"sync": ["--rl.mode=sync"], "async-0": ["--rl.mode=async", "--rl.max_staleness=0"],
          "async-1": ["--rl.mode=async", "--rl.max_staleness=1"],
-         "async-2": ["--rl.mode=async", "--rl.max_staleness=2"]}
-"""async-k: asynchronous at --rl.max_staleness=k."""
+         "async-2": ["--rl.mode=async", "--rl.max_staleness=2"],
+         "async-1-bounded": ["--rl.mode=async", "--rl.max_staleness=1", "--rl.schedule=bounded"],
+         "async-2-bounded": ["--rl.mode=async", "--rl.max_staleness=2", "--rl.schedule=bounded"]}
+"""async-k: asynchronous at --rl.max_staleness=k on the exact schedule (rollout r acts with the weights trained on
+max(0, r - k) rollouts: reproducible); async-k-bounded: at most k behind, whatever is newest (RL-VLA3's bound)."""
 
 
 def lines(path: Path) -> list[dict]:

@@ -101,3 +101,63 @@ def test_bad_async_options_are_one_line(sft: Path, tmp_path: Path) -> None:
         done = _rl(sft, tmp_path / "bad", *args, check=False)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr
+
+
+# --- the exact schedule (--rl.schedule=exact, the default): reproducible, and resumed exactly -----------------
+@pytest.fixture(scope="module")
+def exact_runs(sft: Path, tmp_path_factory) -> dict[int, Path]:
+    """Uninterrupted async runs at staleness 1 and 2: what every other run of the same options must compute."""
+    runs = {}
+    for staleness in (1, 2):
+        out = tmp_path_factory.mktemp(f"exact{staleness}") / "run"
+        _rl(sft, out, "--steps=5", *ASYNC, f"--rl.max_staleness={staleness}", "--save_freq=1")
+        runs[staleness] = out
+    return runs
+
+
+def _rollouts(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_two_runs_at_staleness_one_compute_the_same(sft: Path, exact_runs: dict[int, Path], tmp_path: Path) -> None:
+    """Before (issue 31), which weights a rollout acted with depended on timing: two runs differed from step 3 on.
+    Rollout k now acts with exactly the weights trained on max(0, k - 1) rollouts."""
+    again = tmp_path / "again"
+    _rl(sft, again, "--steps=5", *ASYNC, "--rl.max_staleness=1", "--save_freq=1")
+    _close(_losses(again), _losses(exact_runs[1]))
+    for out in (again, exact_runs[1]):
+        assert [r["version"] for r in _rollouts(out)] == [0, 0, 1, 2, 3]
+        assert [m["staleness_max"] for _, m in sorted(_metrics(out).items())] == [0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_run_killed_outright_at_staleness_above_zero_resumes_exactly(sft: Path, exact_runs: dict[int, Path],
+                                                                        tmp_path: Path, staleness: int) -> None:
+    """``kill -9`` right after a checkpoint (the rollouts after it in flight, acting with older weights), then
+    ``--resume``: the uninterrupted run's losses and acting versions (before: the resumed run re-rolled rollout 4
+    with weights v4 where the uninterrupted one had used v3), and each rollout logged once."""
+    out = tmp_path / "killed"
+    args = ["--steps=5", *ASYNC, f"--rl.max_staleness={staleness}", "--save_freq=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--checkpoint={sft}", f"--output_dir={out}",
+                             *RL, *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        from tests.faults.test_process_faults import _wait_for
+
+        _wait_for(lambda: (out / "checkpoints" / "000003").is_dir(), 600, "the third checkpoint")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kept = json.loads((out / "checkpoints" / "last" / "training_state" / "loader_state.json").read_text())
+    _rl(sft, out, "--resume=true")
+    _close(_losses(out), _losses(exact_runs[staleness]))
+    assert [r["rollout"] for r in _rollouts(out)] == [0, 1, 2, 3, 4]  # the rerun ones once
+    assert [r["version"] for r in _rollouts(out)] == [r["version"] for r in _rollouts(exact_runs[staleness])]
+    assert kept["step"] >= 3
+
+
+def test_the_bounded_schedule_takes_the_weights_it_finds(sft: Path, tmp_path: Path) -> None:
+    """--rl.schedule=bounded: at most max_staleness behind, whatever is newest (not reproducible)."""
+    _rl(sft, tmp_path / "bounded", "--steps=4", *ASYNC, "--rl.max_staleness=1", "--rl.schedule=bounded")
+    metrics = _metrics(tmp_path / "bounded")
+    assert all(0 <= m["staleness"] <= m["staleness_max"] <= 1 for m in metrics.values())

@@ -12,6 +12,7 @@ from roboscale.errors import ConfigError
 ALGORITHMS = ("grpo", "ppo")
 REWARDS = ("success", "shaped")
 MODES = ("sync", "async")
+SCHEDULES = ("exact", "bounded")
 PLACEMENTS = ("colocated", "disaggregated")
 
 
@@ -28,6 +29,14 @@ class RLOptions:
     """async: how many rollouts' updates the acting weights may lag behind the ones trained (0: the weights a
     sync run acts with, the same losses step by step, the gain only from overlapping the gradients with the
     simulators). PPO's clipped importance ratio corrects for the lag."""
+    schedule: str = "exact"
+    """async: which weights a rollout acts with. exact: rollout k acts, every chunk of it, with exactly the weights
+    trained on max(0, k - max_staleness) rollouts (the generators wait for them if the trainer is late, and never
+    take newer ones), so a run is reproducible and a resume continues it exactly (the checkpoint keeps the older
+    weights its next rollouts act with: max_staleness copies of the model); consecutive rollouts overlap only
+    while they act with the same weights. bounded: a rollout starts as soon as the weights are at most
+    max_staleness rollouts behind and takes newer ones as they come (RL-VLA3's bound): the last percent of
+    throughput (benchmarks/rl.py), not reproducible."""
     placement: str = "colocated"
     """colocated: generators (the inference) on the trainer's devices (GPU: the same one; CPU: all cores shared).
     disaggregated: on their own: GPU, device local_rank + ranks per node (twice the GPUs); CPU, the rollout
@@ -77,6 +86,8 @@ class RLOptions:
             raise ConfigError(f"--rl.algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
         if self.mode not in MODES:
             raise ConfigError(f"--rl.mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--rl.schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"--rl.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
         if self.max_staleness < 0:

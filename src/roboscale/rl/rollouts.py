@@ -9,11 +9,19 @@ the latest to the engine before it starts a rollout, whose chunks record the ver
 
 - ``--rl.mode=sync``: the driver starts a rollout when the trainer asks for it, and the trainer takes it whole,
   in group order: roll out everything, then train (the baseline).
-- ``--rl.mode=async``: the driver starts rollout r as soon as the published weights have trained on r -
-  ``max_staleness`` rollouts (so simulators and generators keep working while the trainer trains), and the trainer
-  computes each group's gradients as it arrives (``Trainer.accumulate_stream``); its optimizer step still waits
-  for the whole rollout, the global batch. At staleness 0 the rollouts act with the weights a sync run's do: the
-  same losses step by step, the gain only from the overlap.
+- ``--rl.mode=async``: the driver starts rollout r while the trainer trains on earlier ones (simulators and
+  generators keep working), and the trainer computes each group's gradients as it arrives
+  (``Trainer.accumulate_stream``); its optimizer step still waits for the whole rollout, the global batch. Which
+  weights rollout r acts with (``--rl.schedule``):
+  - ``exact`` (default): exactly those trained on max(0, r - ``max_staleness``) rollouts (``acting_version``), every
+    chunk of it. The driver hands the engine exactly those, once published, and only when no episode in flight acts
+    with the ones it holds (the engine predicts with one version at a time), so consecutive rollouts overlap while
+    they act with the same weights. A run is reproducible, and a resume acts as the uninterrupted run did: the
+    checkpoint keeps the older weights the next rollouts act with (``tensor_state``).
+  - ``bounded``: as soon as the published weights have trained on r - ``max_staleness`` rollouts, taking newer
+    ones mid-rollout as they come (RL-VLA3's bound; timing decides which).
+  At staleness 0 both act with the weights a sync run's do: the same losses step by step, the gain only from the
+  overlap.
 
 With ``--rl.epochs=E`` each rollout serves E optimizer steps (the same chunks each time; their recorded
 log-probabilities are the acting weights', so the later epochs' ratios measure how far the updates went).
@@ -23,7 +31,8 @@ Which episodes a rollout runs depends on its number alone: for each task, ``stat
 noise comes from their own ``noise_seed``. Groups are dealt to ranks by index (group g to rank g mod ranks) and each
 rank rolls out its own on its own engine, so a step's global batch, its advantages (a group never straddles
 ranks) and its losses do not depend on the number of ranks or env workers. A checkpoint keeps the step; rollouts
-in flight are not kept (a resume rolls them out again, counted as ``dropped_episodes``).
+in flight are not kept (a resume rolls them out again, counted as ``dropped_episodes``, and cuts ``rollouts.jsonl``
+back to the rollouts before them).
 """
 
 from __future__ import annotations
@@ -243,6 +252,8 @@ class RolloutSource:
         # shared with the driver thread (which polls them from its engine run), under _lock
         self._lock = threading.Lock()
         self._weights: tuple[dict[str, torch.Tensor], int] | None = None  # the latest published, and its version
+        # the exact schedule's: published weights by version, kept while a rollout not yet trained on acts with them
+        self._published: dict[int, dict[str, torch.Tensor]] = {}
         self._requested = 0  # rollouts the trainer has asked for
         self._started: dict[int, int] = {}  # rollout -> its episodes on this rank, while in flight
         self._closed = False
@@ -258,10 +269,25 @@ class RolloutSource:
         it is trained against) rather than training again on the last rollout (``--rl.epochs``)."""
         return self.step % self.options.epochs == 0
 
+    @property
+    def exact(self) -> bool:
+        """Rollout k acts with exactly ``acting_version(k)`` (``--rl.schedule=exact``; sync is exact by nature)."""
+        return self.options.mode == "async" and self.options.schedule == "exact"
+
+    def acting_version(self, rollout: int) -> int:
+        """The exact schedule's: the weights (a trainer step) rollout ``rollout`` acts with, those trained on
+        max(0, rollout - max_staleness) rollouts."""
+        return max(0, rollout - self.options.max_staleness) * self.options.epochs
+
     def publish(self, state: dict[str, torch.Tensor], version: int) -> None:
         """New weights for the rollouts that start from now on (``version``: the trainer's step)."""
         with self._lock:
             self._weights = (state, version)
+            if self.exact:
+                self._published[version] = state
+                oldest = self.acting_version(self.step // self.options.epochs)  # no rollout from here on acts older
+                for old in [v for v in self._published if v < oldest]:
+                    del self._published[old]
 
     def __next__(self) -> Any:
         if not self.rolls_out_next and self._batches is not None:  # another epoch on the same rollout
@@ -337,14 +363,27 @@ class RolloutSource:
 
     # --- the driver thread ----------------------------------------------------------------------------------
     def _may_start(self, rollout: int, version: int | None) -> bool:
-        """Under _lock: sync, once the trainer asks for it; async, once the weights handed to the engine
-        (``version``) have trained on at least ``rollout - max_staleness`` rollouts (the staleness bound; 0: the
-        weights a sync run acts with)."""
+        """Under _lock: sync, once the trainer asks for it; exact, once the engine holds exactly the weights it acts
+        with; bounded, once the weights handed to the engine (``version``) have trained on at least ``rollout -
+        max_staleness`` rollouts (0: the weights a sync run acts with)."""
         if version is None:
             return False
         if self.options.mode == "sync":
             return self._requested > rollout
+        if self.exact:
+            return version == self.acting_version(rollout)
         return version // self.options.epochs >= rollout - self.options.max_staleness
+
+    def _exact_weights(self, rollout: int, pushed: int | None) -> tuple[dict[str, torch.Tensor], int] | None:
+        """Under _lock: the weights to hand the engine before ``rollout`` is released (None: not now). The engine
+        predicts with one version at a time, so they change only once no episode acts with the ones it holds (the
+        rollouts in flight are done), and never to weights newer than the rollout's."""
+        if rollout >= self.rollouts:
+            return None
+        wanted = self.acting_version(rollout)
+        if wanted == pushed or wanted not in self._published or (pushed is not None and self._running):
+            return None
+        return self._published[wanted], wanted
 
     def _drive(self, first: int) -> None:
         """One engine run for the whole training: rollouts released as ``_may_start`` allows, episodes of
@@ -360,7 +399,7 @@ class RolloutSource:
             def weights() -> tuple[dict[str, torch.Tensor], int] | None:
                 nonlocal pushed
                 with self._lock:
-                    latest = self._weights
+                    latest = self._exact_weights(released, pushed) if self.exact else self._weights
                 if latest is None or latest[1] == pushed:
                     return None
                 pushed = latest[1]
@@ -443,10 +482,37 @@ class RolloutSource:
         return {"step": self.step, "episodes": self.episodes, "failed_episodes": self.failed_episodes,
                 "dropped_episodes": self.dropped_episodes, "in_flight_episodes": in_flight}
 
+    def tensor_state(self) -> dict[str, torch.Tensor]:
+        """The exact schedule's: the weights older than the trainer's that the rollouts not yet trained on act with
+        (a resume acts with them again: ``load_tensor_state``), as ``<version>/<name>``."""
+        if not self.exact:
+            return {}
+        rollout = self.step // self.options.epochs
+        with self._lock:
+            needed = {self.acting_version(r) for r in range(rollout, rollout + self.options.max_staleness + 1)}
+            kept = {v: self._published[v] for v in sorted(needed) if v < self.step and v in self._published}
+        return {f"{version}/{name}": value for version, state in kept.items() for name, value in state.items()}
+
+    def load_tensor_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        published: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            version, _, name = key.partition("/")
+            published.setdefault(int(version), {})[name] = value
+        rollout = self.step // self.options.epochs
+        missing = sorted({self.acting_version(r) for r in range(rollout, min(rollout + self.options.max_staleness + 1,
+                                                                             self.rollouts))}
+                         - set(published) - {self.step})
+        if self.exact and missing:
+            raise ValueError(f"the checkpoint lacks the weights of steps {missing}, which the rollouts after step "
+                             f"{self.step} act with under --rl.schedule=exact (saved with --rl.schedule=bounded?)")
+        with self._lock:
+            self._published.update(published)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step = int(state["step"])
         if self.step % self.options.epochs:  # RLConfig keeps checkpoints between rollouts
             raise ValueError(f"step {self.step} is inside a rollout of {self.options.epochs} epochs")
+        self._cut_log(self.step // self.options.epochs)
         self.episodes = int(state.get("episodes", 0))
         self.failed_episodes = int(state.get("failed_episodes", 0))
         in_flight = int(state.get("in_flight_episodes", 0))
@@ -454,6 +520,17 @@ class RolloutSource:
         if in_flight:
             log.warning("resuming at step %d: %d episodes that were rolling out when the checkpoint was saved are "
                         "rolled out again", self.step, in_flight)
+
+    def _cut_log(self, rollouts: int) -> None:
+        """A resume rolls out again from rollout ``rollouts``: the log keeps only the rollouts before it (as
+        metrics.jsonl keeps only the steps before the resumed one)."""
+        if self.log_path is None or not self.log_path.is_file():
+            return
+        from roboscale.utils.io import atomic_write_bytes, read_json_lines
+
+        records, _ = read_json_lines(self.log_path, repair=True)
+        kept = [r for r in records if isinstance(r.get("rollout"), int) and r["rollout"] < rollouts]
+        atomic_write_bytes(self.log_path, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
     def stats(self) -> dict[str, float]:
         return {"episodes": float(self.episodes), "failed_episodes": float(self.failed_episodes),

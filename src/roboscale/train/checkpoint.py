@@ -62,6 +62,7 @@ TRAINING_STATE = "training_state"
 TRAIN_CONFIG = "train_config.json"
 SHARDED = "model_optimizer"
 STATE_SUFFIX = "_state.json"  # training_state/<name>_state.json: trainer_state.json, loader_state.json, a job's
+TENSORS_SUFFIX = "_tensors.safetensors"  # training_state/<name>_tensors.safetensors: a TensorStateful entry's
 OWN_STATE = ("trainer", "loader")  # the trainer's entries; a job's extra ones take other names
 POINTERS = ("last", "best")  # symlinks to step directories; retention never deletes what they point to
 _STEP_NAME = re.compile(r"^\d{6,}$")
@@ -78,6 +79,11 @@ def rng_file(rank: int) -> str:
 def state_file(name: str) -> str:
     """The file of the Stateful entry ``name`` under ``training_state``."""
     return name + STATE_SUFFIX
+
+
+def tensor_file(name: str) -> str:
+    """The tensors of the entry ``name`` (a ``TensorStateful``) under ``training_state``."""
+    return name + TENSORS_SUFFIX
 
 
 def check_state_names(extra: dict[str, Any]) -> None:
@@ -140,14 +146,16 @@ class CheckpointWriter:
 
     def save(self, step: int, *, policy, sharded_state: dict[str, Any],
              full_model_state: dict[str, torch.Tensor] | None, training_state: dict[str, dict[str, Any]],
-             rng: torch.Tensor, train_config: Any) -> Path | None:
+             rng: torch.Tensor, train_config: Any,
+             tensor_state: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
         """Start writing ``checkpoints/<step>``; returns the step directory committed during the call (this one
         when synchronous, the previous background save when it had to be waited for), or None.
 
         ``sharded_state``: this rank's ``{"model": ..., "optimizer": ...}`` (DCP). ``full_model_state``: the
         gathered weights for ``pretrained_model`` (rank 0; None elsewhere). ``training_state``: each Stateful
         entry's state by name (JSON, rank 0's written as ``<name>_state.json``). ``rng``: this rank's torch RNG
-        state."""
+        state. ``tensor_state``: the tensors of the TensorStateful entries by name (rank 0's written as
+        ``<name>_tensors.safetensors``)."""
         texts = state_texts(training_state)
         committed = self.wait()
         env = self.env
@@ -170,6 +178,9 @@ class CheckpointWriter:
             if env.is_main and failed is None:
                 for name, text in texts.items():
                     (state_dir / state_file(name)).write_text(text)
+                for name, tensors in (tensor_state or {}).items():
+                    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                              str(state_dir / tensor_file(name)))
                 config = json.dumps(to_dict(train_config), indent=4)
                 if self._consolidated is None:
                     _write_pretrained(tmp / PRETRAINED, policy, full_model_state, config)
@@ -437,12 +448,19 @@ _UNFIT = {"trainer": "damaged ({error})", "loader": "does not fit this data load
 def restore_entries(checkpoint: Path, entries: dict[str, Any], states: dict[str, Any]) -> None:
     """Hand each Stateful entry its saved state (``load_training_state``); a state it refuses (KeyError,
     TypeError, ValueError) is a CheckpointError naming the entry's file."""
+    from roboscale.train.components import TensorStateful
+
     for name, entry in entries.items():
         path = checkpoint / TRAINING_STATE / state_file(name)
         if not isinstance(states[name], dict):
             raise CheckpointError(path, f"damaged (a JSON {type(states[name]).__name__}, not an object)")
+        tensors_path = checkpoint / TRAINING_STATE / tensor_file(name)
+        tensors = (_read(tensors_path, lambda p: load_file(str(p))) if tensors_path.is_file() else {}) \
+            if isinstance(entry, TensorStateful) else {}
         try:
             entry.load_state_dict(states[name])
+            if isinstance(entry, TensorStateful):
+                entry.load_tensor_state(tensors)
         except CheckpointError:  # the entry named the problem itself
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -35,6 +35,17 @@ class Stateful(Protocol):
 
 
 @runtime_checkable
+class TensorStateful(Protocol):
+    """A Stateful entry that keeps tensors too (RL's: the older weights its next rollouts act with), as
+    ``training_state/<name>_tensors.safetensors`` (rank 0's; safetensors, never pickle). A resume hands the file's
+    tensors to ``load_tensor_state`` (``{}`` for a checkpoint written without it)."""
+
+    def tensor_state(self) -> dict[str, Tensor]: ...
+
+    def load_tensor_state(self, tensors: dict[str, Tensor]) -> None: ...
+
+
+@runtime_checkable
 class DataSource(Stateful, Protocol):
     """This rank's batches, one ``next()`` per optimizer step: its share of the global batch (a list of
     micro-batches when it cuts them itself, or an iterator of micro-batches that arrive while the step computes

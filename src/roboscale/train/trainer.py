@@ -40,7 +40,15 @@ from roboscale.config import save_yaml
 from roboscale.configs.train import OptimizerConfig, TrainConfig
 from roboscale.distributed.env import DistributedEnv, init_distributed
 from roboscale.errors import ConfigError, TrainingError
-from roboscale.train.components import DataSource, Objective, Stateful, StepHook, TrainingComponents, TrainingJob
+from roboscale.train.components import (
+    DataSource,
+    Objective,
+    Stateful,
+    StepHook,
+    TensorStateful,
+    TrainingComponents,
+    TrainingJob,
+)
 from roboscale.train.resume import check_resume, resume_checkpoint, resuming, saved_config
 from roboscale.utils.io import exclusive_lock
 
@@ -491,6 +499,8 @@ class Trainer:
                     self.step, policy=self.policy, sharded_state=self.sharded_state(),
                     full_model_state=full if self.env.is_main else None,
                     training_state={name: entry.state_dict() for name, entry in self.stateful.items()},
+                    tensor_state={name: entry.tensor_state() for name, entry in self.stateful.items()
+                                  if isinstance(entry, TensorStateful)},
                     rng=torch.get_rng_state(), train_config=cfg) or committed
         if committed is not None:
             self.committed(committed)

@@ -4,6 +4,8 @@ A pi0.5-shaped sample: the current frame of 2 cameras (224², AV1 as LeRobot wri
 action chunk with ``action_is_pad``; batches of 32 from 2 worker processes. Reports samples/s and CPU-seconds per
 sample (main process + workers, after a warm-up), and the ratios against (a), all measured in this one run:
 
+  (L) LeRobot 0.4.4 itself (its ``LeRobotDataset`` and a torch DataLoader, PyAV backend), run in LeRobot's venv
+      (``--lerobot-python``, tests/oracles/README.md): the ratios are against it when it runs;
   (a) LeRobot's access pattern, re-implemented here: HF-datasets-style row access (each row and each window
       element converted to a Python dict / values, then to tensors), the episode's metadata row looked up per
       sample, and per camera a decoder opened per sample that seeks to the keyframe before the timestamp and decodes
@@ -154,6 +156,24 @@ def _lerobot_batches(dataset_root: Path):
     return it, (lambda: [w.pid for w in it._workers]), (lambda: None)
 
 
+def _lerobot_itself(dataset_root: Path):
+    """(L): LeRobot 0.4.4's own ``LeRobotDataset`` with a torch DataLoader as its training script builds one
+    (shuffled, ``num_workers``), its PyAV video backend (torchcodec is not installable beside this torch), run by
+    LeRobot's venv (``--lerobot-python``, tests/oracles/README.md)."""
+    import torch
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    from torch.utils.data import DataLoader, RandomSampler
+
+    fps = json.loads((dataset_root / "meta/info.json").read_text())["fps"]
+    dataset = LeRobotDataset("local/bench", root=dataset_root, video_backend="pyav",
+                             delta_timestamps={ACTION: [i / fps for i in range(CHUNK)]})
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, generator=torch.Generator()
+                                                                         .manual_seed(0)),
+                        num_workers=WORKERS, prefetch_factor=4, persistent_workers=True, drop_last=True)
+    it = iter(loader)
+    return it, (lambda: [w.pid for w in it._workers]), (lambda: None)
+
+
 def _paths(size: int) -> tuple[Path, Path]:
     """(raw dataset at ``size``², its lake at LAKE_SIZE²), cached under outputs/bench/."""
     return CACHE / f"metaworld-{size}", CACHE / f"metaworld-{size}-lake"
@@ -198,6 +218,8 @@ def measure(which: str, warmup: int, batches: int, size: int, world_size: int = 
     start, start_cpu = time.perf_counter(), time.process_time()
     if which == "a":
         it, pids, close = _lerobot_batches(dataset)
+    elif which == "L":
+        it, pids, close = _lerobot_itself(dataset)
     else:
         fps = json.loads((dataset / "meta/info.json").read_text())["fps"]
         options = {"verify_on_open": which == "c"} if which in ("c", "d") else None
@@ -260,11 +282,13 @@ def main() -> None:
     parser.add_argument("--checksum", action="store_true", help="the cost of the shard checksum on open (see above)")
     parser.add_argument("--finite", action="store_true", help="the cost of the NaN/Inf check of a shard on open")
     parser.add_argument("--repeat", type=int, default=3, help="--checksum: runs of each configuration (medians)")
-    parser.add_argument("--one", choices=["a", "b", "c", "d"], help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=["a", "b", "c", "d", "L"], help=argparse.SUPPRESS)
+    parser.add_argument("--lerobot-python", type=Path, default=Path(".venv-lerobot/bin/python"),
+                        help="LeRobot 0.4.4's venv (tests/oracles/README.md): adds (L), LeRobot itself")
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        batches = args.baseline_batches if args.one == "a" else args.batches
+        batches = args.baseline_batches if args.one in ("a", "L") else args.batches
         print(json.dumps(measure(args.one, args.warmup, batches, args.image_size, args.world_size)))
         return
 
@@ -279,14 +303,19 @@ def main() -> None:
     if args.checksum:
         checksum(args)
         return
-    results = {which: _run_one(which, args) for which in ["a", "b"] + (["c"] if have_lake else [])}
-    names = {"a": "(a) LeRobot access pattern, raw v3", "b": "(b) roboscale loader, raw v3",
-             "c": "(c) roboscale loader, lake shards"}
-    base = results["a"]["samples"] / results["a"]["wall_s"]
+    lerobot = args.lerobot_python.is_file()
+    results = {which: _run_one(which, args)
+               for which in (["L"] if lerobot else []) + ["a", "b"] + (["c"] if have_lake else [])}
+    names = {"L": "(L) LeRobot 0.4.4 itself: LeRobotDataset + DataLoader, PyAV", "a": "(a) LeRobot access pattern, raw v3",
+             "b": "(b) roboscale loader, raw v3", "c": "(c) roboscale loader, lake shards"}
+    reference = "L" if lerobot else "a"
+    base = results[reference]["samples"] / results[reference]["wall_s"]
     print(f"{os.cpu_count()} cores; batch {BATCH}, {WORKERS} workers; 2 cameras {args.image_size}² AV1 (lake: "
           f"{LAKE_SIZE}²) + state + "
           f"{CHUNK}-step action chunk")
-    print("| loader | samples/s | CPU-s / sample | samples/s per CPU-s | vs (a) |")
+    if not lerobot:
+        print(f"(L) skipped: no LeRobot venv at {args.lerobot_python} (tests/oracles/README.md)")
+    print(f"| loader | samples/s | CPU-s / sample | samples/s per CPU-s | vs ({reference}) |")
     print("|---|---:|---:|---:|---:|")
     for which, r in results.items():
         rate = r["samples"] / r["wall_s"]
@@ -308,9 +337,11 @@ def main() -> None:
 
 def _run_one(which: str, args: argparse.Namespace) -> dict:
     """``measure(which)`` in a fresh process: no caches or workers carried over from another configuration, and
-    no record of verified shards either (a machine that reads this lake for the first time: utils.io.HashChecks)."""
+    no record of verified shards either (a machine that reads this lake for the first time: utils.io.HashChecks).
+    (L) runs in LeRobot's venv."""
+    python = str(args.lerobot_python) if which == "L" else sys.executable
     with tempfile.TemporaryDirectory(prefix="verified-") as verified:
-        out = subprocess.run([sys.executable, __file__, "--one", which, "--batches", str(args.batches),
+        out = subprocess.run([python, __file__, "--one", which, "--batches", str(args.batches),
                               "--baseline-batches", str(args.baseline_batches), "--warmup", str(args.warmup),
                               "--image-size", str(args.image_size)],
                              check=True, capture_output=True, text=True,

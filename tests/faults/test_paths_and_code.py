@@ -202,24 +202,6 @@ def _checkpoint_naming_code(out: Path, dataset: Path) -> Path:
     return pretrained / "train_config.json"
 
 
-def test_resume_does_not_import_the_code_a_checkpoint_names(tiny_dataset: Path, tmp_path: Path) -> None:
-    """``python -m roboscale train --resume=true`` in a directory holding ``planted.py``, with a checkpoint whose
-    config says ``eval.env: planted:SPEC``: before, the module was imported (``-m`` puts the working directory
-    on sys.path). Now one line naming the file and the option, and how to allow it."""
-    work = tmp_path / "cwd"
-    work.mkdir()
-    marker = _planted_module(work)
-    config = _checkpoint_naming_code(work / "run", tiny_dataset)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "roboscale", "train", "--resume=true", "--output_dir=run"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
-    assert not marker.exists(), "the checkpoint's module was imported"
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"error: {config.resolve()}: --eval.env=planted:SPEC names code to import"), lines
-    assert "give --eval.env=planted:SPEC on the command line" in lines[0]
-
-
 def _rl_checkpoint_naming_code(out: Path, key: str, value: str) -> Path:
     """An RL output dir whose last checkpoint's ``rl_state.json`` sets ``key`` (``env`` or ``eval.env``) to
     ``value``: what ``roboscale rl --resume`` reads before it builds anything."""
@@ -236,22 +218,28 @@ def _rl_checkpoint_naming_code(out: Path, key: str, value: str) -> Path:
     return state / "rl_state.json"
 
 
-@pytest.mark.parametrize("key", ["env", "eval.env"])
-def test_an_rl_resume_does_not_import_the_code_its_state_names(key: str, tmp_path: Path) -> None:
-    """``python -m roboscale rl --resume=true`` beside ``planted.py``, with ``rl_state.json`` naming
-    ``planted:SPEC``: before, the module ran (and a real SPEC would have run the whole job). Now one line naming
-    the file and the option, as `train` says it, and nothing imported."""
+@pytest.mark.parametrize("command, key", [("train", "eval.env"), ("rl", "env"), ("rl", "eval.env")])
+def test_a_resume_does_not_import_the_code_a_checkpoint_names(command: str, key: str, tmp_path: Path,
+                                                              request: pytest.FixtureRequest) -> None:
+    """``python -m roboscale COMMAND --resume=true`` in a directory holding ``planted.py``, with a checkpoint whose
+    options say ``KEY: planted:SPEC``: before, the module was imported (``-m`` puts the working directory on
+    sys.path; `rl` did not even check, and a real SPEC would have run the whole job). Now one line naming the file
+    and the option, and how to allow it, for every command that resumes (one resume path)."""
     work = tmp_path / "cwd"
     work.mkdir()
     marker = _planted_module(work)
-    state = _rl_checkpoint_naming_code(work / "run", key, "planted:SPEC")
+    if command == "train":
+        saved = _checkpoint_naming_code(work / "run", request.getfixturevalue("tiny_dataset"))
+    else:
+        saved = _rl_checkpoint_naming_code(work / "run", key, "planted:SPEC")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "roboscale", "rl", "--resume=true", "--output_dir=run"],
+    done = subprocess.run([sys.executable, "-m", "roboscale", command, "--resume=true", "--output_dir=run"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert not marker.exists(), "the checkpoint's module was imported"
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"error: {state.resolve()}: --{key}=planted:SPEC names code to import"), lines
+    assert lines[0].startswith(f"error: {saved.resolve()}: --{key}=planted:SPEC names code to import"), lines
+    assert f"give --{key}=planted:SPEC on the command line" in lines[0]
 
 
 def test_an_rl_resume_does_not_run_a_standard_library_module_its_state_names(tmp_path: Path) -> None:

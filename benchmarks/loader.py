@@ -330,9 +330,10 @@ def main() -> None:
     if "c" in results:
         per = results["c"]["cpu_s"] / results["c"]["samples"]
         print(f"(c) per core: {1 / per:,.0f} samples/s (target >= 1,000)")
-    print(f"ratios measured side by side in this run: (b)/(a) = "
-          f"{results['b']['samples'] / results['b']['wall_s'] / base:.1f}x"
-          + (f", (c)/(a) = {results['c']['samples'] / results['c']['wall_s'] / base:.1f}x" if "c" in results else ""))
+    rates = {which: r["samples"] / r["wall_s"] for which, r in results.items()}
+    print("ratios measured side by side in this run: " + ", ".join(
+        f"({which})/({ref}) = {rates[which] / rates[ref]:.1f}x" for ref in (["L"] if lerobot else []) + ["a"]
+        for which in ("b", "c") if which in rates))
 
 
 def _run_one(which: str, args: argparse.Namespace) -> dict:

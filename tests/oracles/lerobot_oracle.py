@@ -60,11 +60,17 @@ def lerobot_python() -> Path:
 
 
 def run_oracle(python: Path, *args: str) -> None:
+    run_script(python, ORACLE, *args)
+
+
+def run_script(python: Path, script: Path, *args: str) -> None:
+    """One of the oracle scripts here, in LeRobot's venv (offline, one thread)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(python), str(ORACLE), *args], capture_output=True, text=True, env=env,
+    done = subprocess.run([str(python), str(script), *args], capture_output=True, text=True, env=env,
                           timeout=ORACLE_TIMEOUT_S)
     if done.returncode:
-        raise AssertionError(f"LeRobot's oracle failed ({' '.join(args)}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise AssertionError(f"LeRobot's {script.name} failed ({' '.join(args)}):\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:

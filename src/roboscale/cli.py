@@ -45,7 +45,7 @@ def _tasks(argv: list[str]) -> None:
 
 
 def _info(argv: list[str]) -> None:
-    from roboscale.data.lerobot.validate import summarize
+    from roboscale.data.lerobot.summary import summarize
 
     if len(argv) != 1 or argv[0].startswith("-"):
         raise ConfigError("usage: roboscale data info DATASET_DIR")
@@ -198,7 +198,8 @@ def _model_info(argv: list[str]) -> None:
 
     if argv and not argv[0].startswith("-"):  # `roboscale model info pi05`
         argv = [f"--policy={argv[0]}", *argv[1:]]
-    print(model_info(parse(ModelInfoConfig, argv, prog="roboscale model info")))
+    cfg = parse(ModelInfoConfig, argv, prog="roboscale model info")
+    print(model_info(cfg.policy, cfg.preset, cfg.overrides))
 
 
 def _export(argv: list[str]) -> None:

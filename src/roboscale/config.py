@@ -32,17 +32,6 @@ T = TypeVar("T")
 _CHOICES: dict[type, dict[str, type | str]] = {}
 
 
-def register(base: type, name: str):
-    """Class decorator: make ``cls`` selectable as ``type: name`` wherever ``base`` is expected."""
-
-    def wrap(cls: type) -> type:
-        _CHOICES.setdefault(base, {})[name] = cls
-        cls.type = name  # class attribute, written into config.json / YAML
-        return cls
-
-    return wrap
-
-
 def register_lazy(base: type, name: str, path: str) -> None:
     """Make the class at ``path`` ("package.module:Class") selectable as ``type: name``; imported when chosen."""
     _CHOICES.setdefault(base, {})[name] = path
@@ -109,6 +98,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if dataclasses.is_dataclass(tp):
             if isinstance(value, tp):
                 return value
+            if isinstance(value, str) and tp in _CHOICES and value in _CHOICES[tp]:
+                value = {"type": value}  # a registered section named by its type alone
             if isinstance(value, str):
                 value = yaml.safe_load(value)
             if not isinstance(value, dict):
@@ -216,6 +207,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
+        if isinstance(node.get(k), str):  # `--rl.algorithm=ppo --rl.algorithm.gamma=0.9`: the first named its type
+            node[k] = {"type": node[k]}
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--{dotted}: {k!r} is not a section")
@@ -225,6 +218,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def _merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for k, v in override.items():
+        if isinstance(v, str) and isinstance(out.get(k), dict) and "type" in out[k]:
+            v = {"type": v}  # `--rl.algorithm=ppo` for a registered section: its type, as `--rl.algorithm.type=ppo`
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             # Switching a registered section's type drops the old type's options.
             if "type" in v and v["type"] != out[k].get("type"):

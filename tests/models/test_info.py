@@ -3,12 +3,11 @@ import re
 import pytest
 
 from roboscale.config import ConfigError
-from roboscale.configs.model import ModelInfoConfig
 from roboscale.models.info import model_info
 
 
 def test_full_size_pi05_matches_the_published_parameter_count():
-    text = model_info(ModelInfoConfig(policy="pi05", preset="full"))
+    text = model_info("pi05", "full")
     ours = float(re.search(r"pi05 \(full\): ([\d.]+) B parameters", text)[1])
     lerobot_way = float(re.search(r"Counted LeRobot's way: ([\d.]+) B without the lm_head", text)[1])
     assert 3.2 < ours < 3.3  # what we build: nothing that feeds nothing
@@ -19,14 +18,14 @@ def test_full_size_pi05_matches_the_published_parameter_count():
 
 
 def test_overrides_and_unknown_presets():
-    small = model_info(ModelInfoConfig(policy="pi05", preset="demo", overrides={"depth": "2"}))
+    small = model_info("pi05", "demo", {"depth": "2"})
     assert re.search(r"pi05 \(demo\): [\d.]+ M parameters", small)
     with pytest.raises(ConfigError, match="no preset 'huge'"):
-        model_info(ModelInfoConfig(policy="pi05", preset="huge"))
+        model_info("pi05", "huge")
 
 
 def test_full_size_groot_is_gr00t_n15_sized_with_its_breakdown():
-    text = model_info(ModelInfoConfig(policy="groot", preset="full"))
+    text = model_info("groot", "full")
     built = float(re.search(r"groot \(full\): ([\d.]+) B parameters", text)[1])
     with_lm_head = float(re.search(r"With the lm_head counted .*?: ([\d.]+) B", text, re.S)[1])
     trainable = float(re.search(r"tune_visual=False: ([\d.]+) B", text)[1])
@@ -42,7 +41,7 @@ def test_full_size_groot_is_gr00t_n15_sized_with_its_breakdown():
 
 def test_demo_and_tiny_groot_are_small():
     for preset in ("demo", "tiny"):
-        text = model_info(ModelInfoConfig(policy="groot", preset=preset))
+        text = model_info("groot", preset)
         assert float(re.search(rf"groot \({preset}\): ([\d.]+) M parameters", text)[1]) < 5
-    deeper = model_info(ModelInfoConfig(policy="groot", preset="demo", overrides={"dit_layers": "8"}))
+    deeper = model_info("groot", "demo", {"dit_layers": "8"})
     assert "DiT" in deeper

@@ -129,7 +129,8 @@ def test_a_run_killed_outright_resumes_to_the_uninterrupted_losses(sft: Path, tm
 
 
 def test_bad_options_are_one_line_before_anything_starts(sft: Path, tmp_path: Path) -> None:
-    for args, needle in ((["--rl.algorithm=dqn"], "--rl.algorithm must be one of ['grpo', 'ppo']"),
+    for args, needle in ((["--rl.algorithm=dqn"], "rl.algorithm.type: 'dqn' is not one of ['grpo', 'ppo', 'rloo']"),
+                         (["--rl.algorithm.gamma=0.9"], "rl.algorithm: unknown option(s) ['gamma']"),  # grpo's
                          (["--rl.group_size=1"], "--rl.group_size must be at least 2 for grpo"),
                          (["--tasks=[reachh]"], "unknown MetaWorld task 'reachh'"),
                          (["--rl.epochs=2", "--steps=3"], "--steps=3 is not a multiple of --rl.epochs=2")):

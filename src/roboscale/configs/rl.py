@@ -3,17 +3,62 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from roboscale.config import register_lazy
 from roboscale.configs.rollout import RolloutConfig
 from roboscale.configs.train import CheckpointConfig, EvalDuringTrainingConfig, OptimizerConfig, ParallelConfig
 from roboscale.errors import ConfigError
 
-ALGORITHMS = ("grpo", "ppo")
 REWARDS = ("success", "shaped")
 MODES = ("sync", "async")
 SCHEDULES = ("exact", "bounded")
 PLACEMENTS = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An RL algorithm (``--rl.algorithm=NAME``, its options ``--rl.algorithm.*``): its hyperparameters, what it
+    needs of the policy (``critic``: a value head) and the advantages of a group of episodes; the loss is the
+    clipped policy-gradient surrogate every algorithm shares (``roboscale.rl.objective``), plus ``critic_loss``
+    where there is a critic. One module each under ``roboscale/rl/algorithms/``, registered in ``ALGORITHMS``
+    (docs/architecture.md). This base class holds no code: it is what configs may import."""
+
+    type: ClassVar[str] = ""
+    critic: ClassVar[bool] = False
+    """Whether the policy needs a value head (PPO's critic), of ``value_head_dim``."""
+    value_head_dim: ClassVar[int] = 0
+    min_group_size: ClassVar[int] = 1
+    """Episodes per group its advantages need (2 for those that compare a group's episodes)."""
+
+    def check(self, options: RLOptions) -> None:
+        """A ConfigError for options this algorithm cannot run with (checked when the config is built)."""
+        if options.group_size < self.min_group_size:
+            raise ConfigError(f"--rl.group_size must be at least {self.min_group_size} for {self.type} (its "
+                              "advantages compare the episodes of a group)")
+
+    def advantages(self, returns: Any, trajectories: list[Any], reward: str) -> tuple[list[Any], list[Any] | None]:
+        """Per episode of one group (``returns`` [N], their ``trajectories``): its advantage (one value, or one
+        per chunk) and, with a critic, its chunks' value targets (else None)."""
+        raise NotImplementedError
+
+    def critic_loss(self, value: Any, target: Any) -> Any:
+        """The critic's regression term added to the loss (an algorithm with a critic defines it)."""
+        raise NotImplementedError
+
+
+ALGORITHMS = {"grpo": "roboscale.rl.algorithms.grpo:GRPO", "ppo": "roboscale.rl.algorithms.ppo:PPO",
+              "rloo": "roboscale.rl.algorithms.rloo:RLOO"}
+"""``--rl.algorithm`` names -> their class ("module:Class", imported when chosen): the one place an algorithm
+registers."""
+for _name, _path in ALGORITHMS.items():
+    register_lazy(Algorithm, _name, _path)
+
+
+def default_algorithm() -> Algorithm:
+    from roboscale.config import choices
+
+    return choices(Algorithm)["grpo"]()
 
 
 @dataclass
@@ -41,9 +86,10 @@ class RLOptions:
     """colocated: generators (the inference) on the trainer's devices (GPU: the same one; CPU: all cores shared).
     disaggregated: on their own: GPU, device local_rank + ranks per node (twice the GPUs); CPU, the rollout
     processes on one half of the cores, the trainer on the other."""
-    algorithm: str = "grpo"
-    """grpo: group-relative advantages over the episodes of one initial state (no critic); ppo: GAE with a value
-    head on the policy's features."""
+    algorithm: Algorithm = field(default_factory=default_algorithm)
+    """grpo: group-relative advantages over the episodes of one initial state (no critic); rloo: the return
+    against the mean of the group's other episodes (leave-one-out, no critic); ppo: GAE with a value head on the
+    policy's features (its options: --rl.algorithm.gamma, gae_lambda, value_coef, value_head_dim)."""
     group_size: int = 8
     """Episodes per initial state and step (GRPO's group; PPO: the same episodes, advantages from the critic)."""
     states_per_task: int = 1
@@ -57,7 +103,8 @@ class RLOptions:
     max_steps: int = 200
     """Steps before an episode is cut off (a failure)."""
     clip: float = 0.2
-    """PPO's clipped ratio: updates stop pulling once a chunk's likelihood ratio leaves [1 - clip, 1 + clip]."""
+    """The clipped surrogate every algorithm trains with (PPO's, which GRPO and RLOO use too): updates stop pulling
+    once a chunk's likelihood ratio leaves [1 - clip, 1 + clip]."""
     noise_level: float = 1.0
     """The stochastic sampler's noise (Flow-SDE's g): exploration, and what makes a chunk's likelihood exist.
     Only the stochastic steps' noise is credited by the likelihood, not the chunk's starting noise; at 1.0 (with
@@ -69,21 +116,11 @@ class RLOptions:
     πRL's hybrid ODE-SDE sampling. A chunk's likelihood is that of its stochastic steps, so training runs the
     action expert this many times per chunk instead of num_inference_steps. 0: every step (the full Flow-SDE
     chain)."""
-    gamma: float = 0.99
-    """PPO: discount per action chunk."""
-    gae_lambda: float = 0.95
-    """PPO: GAE's lambda."""
-    value_coef: float = 0.5
-    """PPO: weight of the value head's loss."""
-    value_head_dim: int = 64
-    """PPO: hidden width of the value head added to a checkpoint without one."""
     seed: int = 100_000
     """Initial states of step s are drawn from (seed, s): disjoint from the demonstrations' (0) and evaluation's
     (1000) seeds."""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"--rl.algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
         if self.mode not in MODES:
             raise ConfigError(f"--rl.mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.schedule not in SCHEDULES:
@@ -99,17 +136,10 @@ class RLOptions:
         for name in ("group_size", "states_per_task", "epochs", "max_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--rl.{name} must be a positive integer, got {getattr(self, name)}")
-        if self.algorithm == "grpo" and self.group_size < 2:
-            raise ConfigError("--rl.group_size must be at least 2 for grpo (its advantages compare the episodes "
-                              "of a group)")
         if not 0 < self.clip < 1 or self.noise_level <= 0:
             raise ConfigError(f"--rl.clip must be in (0, 1) and --rl.noise_level > 0, got {self.clip} and "
                               f"{self.noise_level}")
-        if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1) or self.value_coef < 0:
-            raise ConfigError("--rl.gamma must be in (0, 1], --rl.gae_lambda in [0, 1], --rl.value_coef >= 0")
-        if self.algorithm == "ppo" and self.value_head_dim <= 0:
-            raise ConfigError(f"--rl.value_head_dim must be a positive integer for ppo (its critic's width), got "
-                              f"{self.value_head_dim}")
+        self.algorithm.check(self)
 
 
 @dataclass

@@ -93,12 +93,6 @@ def parallelize(policy: nn.Module, objective: Callable[[nn.Module, Any], Any], p
     return module
 
 
-def training_policy(module: nn.Module) -> nn.Module:
-    """The plain policy inside what ``parallelize`` returned."""
-    inner = module.module if hasattr(module, "module") and isinstance(module.module, TrainingModule) else module
-    return inner.policy if isinstance(inner, TrainingModule) else inner
-
-
 def set_gradient_sync(module: nn.Module, enabled: bool):
     """A context in which backward does (not) reduce gradients over ranks: accumulating micro-batches reduces once,
     with the last one."""

@@ -9,7 +9,6 @@ rerun with the same protocol skips them.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,9 @@ import numpy as np
 
 from roboscale.config import to_dict
 from roboscale.configs.eval import EvalConfig
-from roboscale.errors import CheckpointError, ConfigError
+from roboscale.errors import ConfigError
 from roboscale.eval.records import read_json_object
+from roboscale.models.policy import resolve_checkpoint
 from roboscale.utils.io import atomic_write_json, exclusive_lock, sha256_file
 from roboscale.utils.lifetime import interrupted
 
@@ -32,20 +32,6 @@ PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i
 NOISE = ("flow-matching noise of the k-th chunk an episode predicts: N(0, 1) from PCG64([episode seed, k]): "
          "independent of batching")
 SUCCESS_RULE = "success at any step ends the episode; no success within max_steps is a failure"
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept pretrained_model dirs, step dirs and training output dirs."""
-    path = Path(path)
-    for candidate in (path, path / "pretrained_model", path / "checkpoints" / "last" / "pretrained_model"):
-        # a pretrained_model directory is the checkpoint even when damaged: loading it names the missing file
-        if (candidate / "config.json").is_file() or (candidate.name == "pretrained_model" and candidate.is_dir()):
-            return candidate.resolve()
-    last = path / "checkpoints" / "last"
-    if last.is_symlink() and not last.exists():
-        raise CheckpointError(last, f"points to {os.readlink(last)}, which does not exist; pass a checkpoint "
-                                    "directory (checkpoints/<step>) instead")
-    raise CheckpointError(path, "no policy checkpoint here (expected config.json + model.safetensors)")
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:

@@ -7,7 +7,6 @@ from collections import defaultdict
 import torch
 
 from roboscale.config import from_dict, to_dict
-from roboscale.configs.model import ModelInfoConfig
 from roboscale.models.registry import get_spec, preset_config
 
 # Fields a build fills from the dataset and tokenizer: MetaWorld's sizes and our trained BPE's vocabulary.
@@ -15,11 +14,13 @@ _DATASET_DEFAULTS = dict(image_keys=["observation.images.corner2", "observation.
                          action_dim=4, vocab_size=512)
 
 
-def model_info(cfg: ModelInfoConfig) -> str:
-    spec = get_spec(cfg.policy)
-    config = preset_config(cfg.policy, cfg.preset)
-    if cfg.overrides:
-        config = from_dict(spec.config_class(), {**to_dict(config), **cfg.overrides}, where="--overrides")
+def model_info(policy: str, preset: str, overrides: dict[str, str] | None = None) -> str:
+    """Parameters per component of ``policy`` at its ``preset`` size (``overrides``: config fields over it), built
+    on the meta device (`roboscale model info`)."""
+    spec = get_spec(policy)
+    config = preset_config(policy, preset)
+    if overrides:
+        config = from_dict(spec.config_class(), {**to_dict(config), **overrides}, where="--overrides")
     for name, value in _DATASET_DEFAULTS.items():
         setattr(config, name, getattr(config, name) or value)
     with torch.device("meta"):
@@ -28,8 +29,8 @@ def model_info(cfg: ModelInfoConfig) -> str:
     for name, param in model.named_parameters():
         counts[model.component_of(name)] += param.numel()
     total = sum(counts.values())
-    lines = [f"{cfg.policy} ({cfg.preset}): {total / 1e9:.3f} B parameters" if total > 1e8 else
-             f"{cfg.policy} ({cfg.preset}): {total / 1e6:.2f} M parameters"]
+    lines = [f"{policy} ({preset}): {total / 1e9:.3f} B parameters" if total > 1e8 else
+             f"{policy} ({preset}): {total / 1e6:.2f} M parameters"]
     for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:34s} {n / 1e6:10.2f} M  {100 * n / total:5.1f}%")
     note = model.parameter_note(total)

@@ -24,6 +24,7 @@ is pickled.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ from roboscale.models.tokenizer import TaskTokenizer
 from roboscale.utils.io import atomic_path, atomic_write_json, load_json
 
 CONFIG_NAME = "config.json"
+PRETRAINED = "pretrained_model"
+"""A checkpoint step directory's consolidated policy (what eval, serve, export and fine-tuning read)."""
 WEIGHTS_NAME = "model.safetensors"
 TOKENIZER_NAME = "tokenizer.json"
 
@@ -334,6 +337,24 @@ def _children_first(module: nn.Module):
     for child in module.children():
         yield from _children_first(child)
     yield module
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The ``pretrained_model`` directory a user means by ``path``: itself, a step directory's (checkpoints/<step>),
+    or a training output directory's last checkpoint's (checkpoints/last). A ``pretrained_model`` directory is the
+    checkpoint even when damaged: loading it names the missing file."""
+    path = Path(path)
+    for candidate in (path, path / PRETRAINED, path / "checkpoints" / "last" / PRETRAINED):
+        if (candidate / CONFIG_NAME).is_file() or (candidate.name == PRETRAINED and candidate.is_dir()):
+            return candidate.resolve()
+    last = path / "checkpoints" / "last"
+    if last.is_symlink() and not last.exists():
+        raise CheckpointError(last, f"points to {os.readlink(last)}, which does not exist; pass a checkpoint "
+                                    "directory (checkpoints/<step>) instead")
+    if (path / "checkpoints").is_dir():
+        raise CheckpointError(path / "checkpoints", "has no complete checkpoint (no `last`)")
+    raise CheckpointError(path, "no policy checkpoint here (expected config.json + model.safetensors, a "
+                                "checkpoints/<step> directory, or a training output directory)")
 
 
 def read_policy_config(directory: Path) -> dict:

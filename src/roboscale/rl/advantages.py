@@ -1,4 +1,5 @@
-"""Advantages of RL post-training: GRPO's group-relative ones (no critic) and PPO's GAE (a value head).
+"""Advantages of RL post-training and the rewards they start from: GRPO's group-relative ones (no critic), PPO's
+GAE (a value head); an episode's return and its chunks' rewards (``--rl.reward``).
 
 An action chunk is one decision: the environment executes its first ``executed`` actions, and its reward is the
 sum of theirs. GRPO gives every chunk of an episode that episode's advantage: its return against the mean (and
@@ -10,6 +11,7 @@ bootstrapped: the observation after the last chunk is not recorded), a small bia
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,3 +45,20 @@ def gae(rewards: Sequence[float], values: Sequence[float], gamma: float, lam: fl
         running = delta + gamma * lam * running
         advantages[t] = running
     return advantages.astype(np.float32), (advantages + values).astype(np.float32)
+
+
+def episode_return(trajectory: Any, reward: str) -> float:
+    """Sparse: 1 if the episode succeeded; shaped: the sum of the simulator's rewards."""
+    if reward == "success":
+        return float(trajectory.success)
+    return float(sum(float(np.sum(c.rewards)) for c in trajectory.chunks))
+
+
+def chunk_rewards(trajectory: Any, reward: str) -> np.ndarray:
+    """Each chunk's reward: sparse, 1 for the chunk in which the episode succeeded; shaped, the sum of the
+    simulator's rewards after its executed actions."""
+    if reward == "success":
+        out = np.zeros(len(trajectory.chunks), np.float32)
+        out[-1] = float(trajectory.success)  # success ends the episode: its last chunk reached it
+        return out
+    return np.array([float(np.sum(c.rewards)) for c in trajectory.chunks], np.float32)

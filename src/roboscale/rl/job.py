@@ -77,12 +77,11 @@ class RLJob:
 
         if resumed is not None:
             return resumed
-        if self.cfg.rl.algorithm == "ppo":  # the critic: a value head on the policy's features, fresh unless it has one
-            saved = Policy.from_pretrained(self.checkpoint)
-            if saved.config.value_head_dim:
-                return saved
-            return Policy.from_pretrained(self.checkpoint, value_head_dim=self.cfg.rl.value_head_dim)
-        return Policy.from_pretrained(self.checkpoint)
+        from roboscale.rl.run import policy_config
+
+        # the checkpoint's policy, with a critic where the algorithm needs one and it has none (a fresh value head)
+        config = policy_config(self.cfg, self.checkpoint)
+        return Policy.from_pretrained(self.checkpoint, value_head_dim=config.value_head_dim)
 
     def build(self, trainer: Any) -> Any:
         from roboscale.rl.objective import PolicyGradientLoss

@@ -53,7 +53,8 @@ def acting_mode(policy: torch.nn.Module) -> Iterator[None]:
 
 @dataclass
 class PolicyGradientLoss:
-    """The Trainer's objective for GRPO (and PPO's policy term): ``(policy, batch) -> (loss, metrics)``."""
+    """The Trainer's objective, every algorithm's clipped surrogate (and its critic's loss, where it has one):
+    ``(policy, batch) -> (loss, metrics)``."""
 
     options: RLOptions
     summed: frozenset[str] = SUMMED
@@ -69,7 +70,7 @@ class PolicyGradientLoss:
                                                            policy.config.num_inference_steps,
                                                            self.options.noise_level, mask,
                                                            batch["stochastic"].to(device))
-            value = policy.value(encoded) if self.options.algorithm == "ppo" else None
+            value = policy.value(encoded) if self.options.algorithm.critic else None
         ratio = torch.exp(log_prob - batch["old_log_prob"].to(device))
         clip = self.options.clip
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
@@ -81,10 +82,10 @@ class PolicyGradientLoss:
 
         policy_loss = -mean(surrogate) / entries
         extra: dict[str, torch.Tensor] = {}
-        if value is not None:  # PPO's critic regresses the GAE targets
-            value_loss = mean((value - batch["value_target"].to(device)) ** 2)
-            loss = policy_loss + self.options.value_coef * value_loss
-            extra = {"value_loss": value_loss.detach(), "value": mean(value).detach()}
+        if value is not None:  # the critic (PPO's) regresses its targets
+            target = batch["value_target"].to(device)
+            loss = policy_loss + mean(self.options.algorithm.critic_loss(value, target))
+            extra = {"value_loss": mean((value - target) ** 2).detach(), "value": mean(value).detach()}
         else:
             loss = policy_loss
         clipped = ((ratio - 1).abs() > clip).float()

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from roboscale.configs.rl import RLOptions
-from roboscale.rl.advantages import gae, group_advantages
+from roboscale.rl.advantages import episode_return
 from roboscale.rollout.engine import Cancelled, Feed
 
 log = logging.getLogger(__name__)
@@ -95,23 +95,6 @@ def episode_jobs(options: RLOptions, groups: list[Group], step: int, first_episo
                        group.instruction, noise_seed=noise_seed(options, step, group, member), record_trajectory=True,
                        scene=group.scene)
             for group in groups for member in range(options.group_size)]
-
-
-def episode_return(trajectory: Any, reward: str) -> float:
-    """Sparse: 1 if the episode succeeded; shaped: the sum of the simulator's rewards."""
-    if reward == "success":
-        return float(trajectory.success)
-    return float(sum(float(np.sum(c.rewards)) for c in trajectory.chunks))
-
-
-def chunk_rewards(trajectory: Any, reward: str) -> np.ndarray:
-    """Each chunk's reward: sparse, 1 for the chunk in which the episode succeeded; shaped, the sum of the
-    simulator's rewards after its executed actions."""
-    if reward == "success":
-        out = np.zeros(len(trajectory.chunks), np.float32)
-        out[-1] = float(trajectory.success)  # success ends the episode: its last chunk reached it
-        return out
-    return np.array([float(np.sum(c.rewards)) for c in trajectory.chunks], np.float32)
 
 
 def chunk_batches(results: list[Any], advantages: Any, returns: np.ndarray, *, image_keys: list[str],
@@ -165,25 +148,13 @@ def _collate(rows: list[tuple], image_keys: list[str], state_key: str, action_di
 
 def group_micro_batches(options: RLOptions, results: list[Any], *, version: int, **collate: Any
                         ) -> list[dict[str, Any]]:
-    """One group's episodes (all of them: their advantages compare them) as micro-batches with advantages: GRPO's
-    group-relative ones, or PPO's GAE from the values the acting weights recorded with each chunk."""
+    """One group's episodes (all of them: their advantages compare them) as micro-batches with the advantages of
+    ``options.algorithm`` (``roboscale.rl.algorithms``)."""
     usable = [r for r in results if r.trajectory is not None and r.trajectory.chunks]
     if not usable:
         return []
     returns = np.array([episode_return(r.trajectory, options.reward) for r in usable], dtype=np.float32)
-    if options.algorithm == "grpo":
-        advantages, targets = group_advantages(returns, np.zeros(len(usable), int)), None
-    else:
-        advantages, targets = [], []
-        for result in usable:
-            values = [c.value for c in result.trajectory.chunks]
-            if any(v is None for v in values):
-                raise RuntimeError("ppo: the rollout's chunks carry no critic values (the acting weights had no "
-                                   "value head)")
-            adv, target = gae(chunk_rewards(result.trajectory, options.reward), np.asarray(values, np.float32),
-                              options.gamma, options.gae_lambda)
-            advantages.append(adv)
-            targets.append(target)
+    advantages, targets = options.algorithm.advantages(returns, [r.trajectory for r in usable], options.reward)
     return chunk_batches(usable, advantages, returns, value_targets=targets, version=version, epochs=options.epochs,
                          **collate)
 

@@ -48,10 +48,25 @@ def rl_state_file(checkpoint: Path) -> Path:
     return checkpoint / TRAINING_STATE / f"{STATE}_state.json"
 
 
+def upgraded(config: dict[str, Any]) -> dict[str, Any]:
+    """An RL config saved before algorithms had options of their own (``rl.algorithm`` a name, PPO's options
+    beside it) in today's shape."""
+    rl = config.get("rl")
+    if not isinstance(rl, dict) or not isinstance(rl.get("algorithm"), str):
+        return config
+    algorithm = {"type": rl["algorithm"]}
+    for name in ("gamma", "gae_lambda", "value_coef", "value_head_dim"):
+        if name in rl:
+            value = rl.pop(name)
+            if algorithm["type"] == "ppo":
+                algorithm[name] = value
+    return {**config, "rl": {**rl, "algorithm": algorithm}}
+
+
 def saved_rl_config(checkpoint: Path) -> RLConfig:
     path = rl_state_file(checkpoint)
     try:
-        return from_dict(RLConfig, load_json(path.read_text())["config"])
+        return from_dict(RLConfig, upgraded(load_json(path.read_text())["config"]))
     except FileNotFoundError:
         raise CheckpointError(path, "missing: not a checkpoint of `roboscale rl`") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -63,13 +78,14 @@ def episodes_per_step(cfg: RLConfig, tasks: list[str]) -> int:
 
 
 def policy_config(cfg: RLConfig, checkpoint: Path) -> Any:
-    """The trained policy's config: the checkpoint's, with PPO's value head where it has none."""
+    """The trained policy's config: the checkpoint's, with the algorithm's critic (PPO's value head) where it has
+    none. The one place that decides the critic."""
     from roboscale.models.config import PolicyConfig
     from roboscale.models.policy import CONFIG_NAME, read_policy_config
 
     saved = read_policy_config(checkpoint)
-    if cfg.rl.algorithm == "ppo" and not saved.get("value_head_dim"):
-        saved["value_head_dim"] = cfg.rl.value_head_dim
+    if cfg.rl.algorithm.critic and not saved.get("value_head_dim"):
+        saved["value_head_dim"] = cfg.rl.algorithm.value_head_dim
     try:
         return from_dict(PolicyConfig, saved, where=str(checkpoint / CONFIG_NAME))
     except ConfigError as exc:
@@ -87,7 +103,7 @@ def train_config(cfg: RLConfig, tasks: list[str], policy: Any) -> TrainConfig:
 
 def run_rl(cfg: RLConfig, progress: bool = True) -> Path:
     """Post-train ``cfg.checkpoint`` and return the final checkpoint's ``pretrained_model``."""
-    from roboscale.eval.closed_loop import resolve_checkpoint
+    from roboscale.models.policy import resolve_checkpoint
     from roboscale.rl.job import RLJob
     from roboscale.sim.env import env_spec
     from roboscale.train.trainer import Trainer

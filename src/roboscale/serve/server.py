@@ -82,7 +82,7 @@ class PolicyServer:
 
     def __init__(self, cfg: ServeConfig, on_ready: Callable[[str, int], None] | None = None):
         from roboscale.config import to_dict
-        from roboscale.eval.closed_loop import resolve_checkpoint
+        from roboscale.models.policy import resolve_checkpoint
         from roboscale.utils.io import sha256_file
 
         self.cfg = cfg

@@ -11,27 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from roboscale.errors import CheckpointError, ConfigError
-
-
-def pretrained_dir(checkpoint: Path) -> Path:
-    """The ``pretrained_model`` directory a user means by ``checkpoint``."""
-    from roboscale.models.policy import CONFIG_NAME
-    from roboscale.train.checkpoint import PRETRAINED, last_checkpoint
-
-    checkpoint = Path(checkpoint)
-    if (checkpoint / "checkpoints").is_dir():
-        last = last_checkpoint(checkpoint)
-        if last is None:
-            raise CheckpointError(checkpoint / "checkpoints", "has no complete checkpoint (no `last`)")
-        checkpoint = last
-    if (checkpoint / PRETRAINED).is_dir():
-        checkpoint = checkpoint / PRETRAINED
-    if not (checkpoint / CONFIG_NAME).is_file():
-        raise CheckpointError(checkpoint, f"not a checkpoint: no {CONFIG_NAME} (expected a training output "
-                              "directory, a step directory or a pretrained_model directory)")
-    return checkpoint
-
+from roboscale.errors import ConfigError
 
 OURS = "roboscale"
 
@@ -45,12 +25,12 @@ def export_formats(policy_type: str) -> list[str]:
 
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path, format: str = OURS) -> Path:
-    from roboscale.models.policy import Policy
+    from roboscale.models.policy import Policy, resolve_checkpoint
     from roboscale.models.registry import get_spec
     from roboscale.train.checkpoint import TRAIN_CONFIG
     from roboscale.utils.io import atomic_directory
 
-    source = pretrained_dir(Path(checkpoint))
+    source = resolve_checkpoint(checkpoint)
     output = Path(output)
     if output.exists():
         raise ConfigError(f"--output {output}: already exists; export writes a new directory")

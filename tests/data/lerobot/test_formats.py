@@ -16,7 +16,8 @@ import torch
 
 from roboscale.data import DatasetWriter, LeRobotDataset
 from roboscale.data.lerobot import format as fmt
-from roboscale.data.lerobot.validate import summarize, validate
+from roboscale.data.lerobot.summary import summarize
+from roboscale.data.lerobot.validate import validate
 
 from ..conftest import square_frame
 

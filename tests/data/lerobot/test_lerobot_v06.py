@@ -21,7 +21,8 @@ from roboscale.data import DatasetWriter, LeRobotDataset
 from roboscale.data.lerobot import format as fmt
 from roboscale.data.lerobot.depth import DepthQuantization
 from roboscale.data.lerobot.language import active_row
-from roboscale.data.lerobot.validate import bad_episodes, summarize, validate
+from roboscale.data.lerobot.summary import summarize
+from roboscale.data.lerobot.validate import bad_episodes, validate
 from roboscale.data.loading.loader import build_loader
 from roboscale.errors import ConfigError, DatasetError
 

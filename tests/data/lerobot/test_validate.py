@@ -13,7 +13,8 @@ import pytest
 
 from roboscale.cli import main
 from roboscale.data.lerobot import format as fmt
-from roboscale.data.lerobot.validate import Problem, bad_episodes, summarize, validate
+from roboscale.data.lerobot.summary import summarize
+from roboscale.data.lerobot.validate import Problem, bad_episodes, validate
 from roboscale.errors import DatasetError
 
 from ..conftest import SMALL_LENGTHS

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from rl_closed_loop import rate, stage  # the sibling benchmark's stages (this directory is on sys.path)
 
-from roboscale.eval.closed_loop import policy_env_options
 from roboscale.models.policy import resolve_checkpoint
 from roboscale.rollout.inference import PolicyRunner, PredictItem
+from roboscale.rollout.setup import policy_env_options
 from roboscale.sim.env import Env, env_spec, episode_seed
 
 MODES = ("naive", "rtc")

@@ -20,6 +20,7 @@ from roboscale.configs.eval import EvalConfig
 from roboscale.errors import ConfigError
 from roboscale.eval.records import read_json_object
 from roboscale.models.policy import resolve_checkpoint
+from roboscale.rollout.setup import check_cameras, policy_env_options
 from roboscale.utils.io import atomic_write_json, exclusive_lock, sha256_file
 from roboscale.utils.lifetime import interrupted
 
@@ -59,7 +60,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     video_camera = (cfg.video_camera or spec.video_camera
                     or next((k.removeprefix("observation.images.") for k in policy_cfg.image_keys), ""))
     env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
-    _check_cameras(spec, tasks[0], env_options, checkpoint)
+    check_cameras(spec, tasks[0], env_options, checkpoint)
     cameras, image_size = env_options["cameras"], env_options["image_size"]
     out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(checkpoint).parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,47 +155,6 @@ def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, An
         "inference_threads": rollout.inference_threads,
         "episodes_run": run, "episodes_resumed": resumed, "restarts": stats.restarts,
     }
-
-
-def policy_env_options(spec: Any, policy_cfg: Any, checkpoint: Path, max_steps: int, video_camera: str = "",
-                       options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``make(task, **options)`` for environments that show this policy what it was trained on: its cameras (and
-    the video camera) at its image size, the state feature it reads, the adapter's own ``options`` parsed; one
-    line when the env cannot give it."""
-    names = [k.removeprefix("observation.images.") for k in policy_cfg.image_keys]
-    cameras = spec.sim_cameras(dict.fromkeys([*names, video_camera] if video_camera else names))
-    if policy_cfg.state_key not in spec.state_features:
-        raise ConfigError(f"{checkpoint}: the policy reads the state feature {policy_cfg.state_key!r}, which the "
-                          f"{spec.name} environment does not give (it gives {list(spec.state_features)})")
-    return {"image_size": int(getattr(policy_cfg, "image_size", 64)), "cameras": cameras, "max_steps": max_steps,
-            "state_feature": policy_cfg.state_key, "options": spec.parse_options(options or {})}
-
-
-def policy_env_setup(env: str, tasks: list[str], policy_cfg: Any, checkpoint: Path, max_steps: int,
-                     env_options: dict[str, Any] | None = None) -> Any:
-    """The rollout engine's ``EnvSetup`` for this policy in ``env`` (the name the user gave, which the workers
-    resolve again: an adapter's own ``name`` need not be resolvable), no videos, its cameras checked in one
-    environment."""
-    from roboscale.rollout.engine import EnvSetup
-    from roboscale.sim.env import env_spec
-
-    spec = env_spec(env)
-    options = policy_env_options(spec, policy_cfg, checkpoint, max_steps, options=env_options)
-    _check_cameras(spec, tasks[0], options, checkpoint)
-    return EnvSetup(env, str(checkpoint), policy_cfg.n_action_steps, options)
-
-
-def _check_cameras(spec: Any, task: str, env_options: dict, checkpoint: Path) -> None:
-    """One environment built and reset here: a camera the simulator lacks fails now, naming the checkpoint."""
-    try:
-        env = spec.make(task, **env_options)
-        try:
-            env.reset(0)
-        finally:
-            env.close()
-    except Exception as exc:
-        raise ConfigError(f"{checkpoint}: the policy's cameras {sorted(env_options['cameras'])} cannot be "
-                          f"rendered by the {spec.name} environment ({type(exc).__name__}: {exc})") from None
 
 
 def _previous_episodes(out_dir: Path, episode_log: Any, protocol: dict, resume: bool) -> dict:

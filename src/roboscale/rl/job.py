@@ -172,6 +172,6 @@ def split_cores() -> Cores:
 def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_config: Any) -> Any:
     """The environments the rollouts run in, as evaluation builds them for this policy (its cameras, image size
     and state feature), with RL's episode limit."""
-    from roboscale.eval.closed_loop import policy_env_setup
+    from roboscale.rollout.setup import policy_env_setup
 
     return policy_env_setup(cfg.env, tasks, policy_config, checkpoint, cfg.rl.max_steps, cfg.env_options)

@@ -73,7 +73,8 @@ def main() -> None:
     print(f"| loss: ours / LeRobot's | {forward['loss_ours']:.6f} / {forward['loss_lerobot']:.6f} |")
     print(f"| ours, loaded by LeRobot: actions / one camera (relative error) | {backward['actions']:.2e} / "
           f"{backward['actions_one_camera']:.2e} |")
-    print(f"times: LeRobot build + compute {lerobot_s:.0f} s, our load + compute {ours_s:.0f} s, reverse {reverse_s:.0f} s")
+    print(f"times: LeRobot build + compute {lerobot_s:.0f} s, our load + compute {ours_s:.0f} s, "
+          f"reverse {reverse_s:.0f} s")
 
 
 if __name__ == "__main__":

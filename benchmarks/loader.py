@@ -306,7 +306,8 @@ def main() -> None:
     lerobot = args.lerobot_python.is_file()
     results = {which: _run_one(which, args)
                for which in (["L"] if lerobot else []) + ["a", "b"] + (["c"] if have_lake else [])}
-    names = {"L": "(L) LeRobot 0.4.4 itself: LeRobotDataset + DataLoader, PyAV", "a": "(a) LeRobot access pattern, raw v3",
+    names = {"L": "(L) LeRobot 0.4.4 itself: LeRobotDataset + DataLoader, PyAV",
+             "a": "(a) LeRobot access pattern, raw v3",
              "b": "(b) roboscale loader, raw v3", "c": "(c) roboscale loader, lake shards"}
     reference = "L" if lerobot else "a"
     base = results[reference]["samples"] / results[reference]["wall_s"]

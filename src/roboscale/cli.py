@@ -116,7 +116,8 @@ def _lake_verify(argv: list[str]) -> None:
     if len(argv) != 1 or argv[0].startswith("-"):
         raise ConfigError("usage: roboscale lake verify LAKE_DIR")
     src = LakeSource(argv[0], verify=True)
-    print(f"{argv[0]}: ok ({len(src.episode_ids)} episodes, {len(src)} frames, every shard checksum matches, no NaN or Inf)")
+    print(f"{argv[0]}: ok ({len(src.episode_ids)} episodes, {len(src)} frames, every shard checksum matches, "
+          "no NaN or Inf)")
 
 
 def _train(argv: list[str]) -> None:

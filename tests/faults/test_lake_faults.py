@@ -302,7 +302,8 @@ def _nan_in_shard_actions(lake: Path) -> Path:
     actions = table.column("action").to_pylist()
     actions[-1] = [float("nan")] * len(actions[-1])
     index = table.schema.get_field_index("action")
-    table = table.set_column(index, table.schema.field("action"), pa.array(actions, type=table.schema.field("action").type))
+    field = table.schema.field("action")
+    table = table.set_column(index, field, pa.array(actions, type=field.type))
     pq.write_table(table, target)
     for name in ("manifest.json", "shards/shard-00001/shard.json"):
         path = lake / name

@@ -68,7 +68,8 @@ def test_the_tied_embedding_is_read_from_lm_head_and_the_gate_bias_shifts_by_one
     weights = load_file(str(FIXTURE / "pretrained_model" / "model.safetensors"))
     assert "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight" not in weights
     policy = load_oracle_policy(FIXTURE)
-    torch.testing.assert_close(policy.embed_tokens.weight, weights["model.paligemma_with_expert.paligemma.lm_head.weight"])
+    lm_head = weights["model.paligemma_with_expert.paligemma.lm_head.weight"]
+    torch.testing.assert_close(policy.embed_tokens.weight, lm_head)
     theirs = weights["model.paligemma_with_expert.gemma_expert.model.norm.dense.bias"]
     ours = policy.expert_norm.modulation.bias.detach()
     third = theirs.shape[0] // 3
@@ -121,7 +122,8 @@ def test_what_we_write_in_lerobots_format_has_the_tensors_and_files_lerobot_writ
     assert {k: (v["dtype"], v["shape"]) for k, v in ours.items()} == {k: (v["dtype"], v["shape"])
                                                                        for k, v in theirs.items()}
     live = set(theirs) - set(unused_tensors(policy.config))  # LeRobot's tensors that feed nothing we write as 0
-    saved, original = load_file(str(tmp_path / "ours" / "model.safetensors")), load_file(str(theirs_dir / "model.safetensors"))
+    saved = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    original = load_file(str(theirs_dir / "model.safetensors"))
     for key in live:  # what computes is LeRobot's tensor back, bit for bit (gate biases shifted there and back)
         torch.testing.assert_close(saved[key], original[key], rtol=0, atol=1e-6, msg=key)
     for name in ("policy_preprocessor.json", "policy_postprocessor.json"):

@@ -143,7 +143,8 @@ def make_inputs(config, seed: int) -> dict[str, torch.Tensor]:
     state[0, 0] = -50.0  # far below q01: normalized below -1 (LeRobot writes bin -1)
     state[1, 1] = 50.0  # far above q99
     inputs["input.observation.state"] = torch.from_numpy(state)
-    inputs["input.action"] = torch.from_numpy(rng.normal(0, 1, (BATCH, config.chunk_size, ACTION_DIM)).astype(np.float32))
+    actions = rng.normal(0, 1, (BATCH, config.chunk_size, ACTION_DIM)).astype(np.float32)
+    inputs["input.action"] = torch.from_numpy(actions)
     g = torch.Generator().manual_seed(seed + 2)
     inputs["input.noise"] = torch.randn((BATCH, config.chunk_size, config.max_action_dim), generator=g)
     inputs["input.loss_noise"] = torch.randn((BATCH, config.chunk_size, config.max_action_dim), generator=g)

@@ -37,7 +37,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, format: str = 
     policy = Policy.from_pretrained(source)
     formats = export_formats(policy.name)
     if format not in formats:
-        raise ConfigError(f"--format: {format!r} is not one of {formats} (the formats a {policy.name} policy exports to)")
+        raise ConfigError(f"--format: {format!r} is not one of {formats} (the formats a {policy.name} policy "
+                          "exports to)")
     with atomic_directory(output) as tmp:
         if format == OURS:
             policy.save_pretrained(tmp)

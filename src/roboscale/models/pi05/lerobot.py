@@ -322,7 +322,8 @@ def config_from_lerobot(lerobot: dict, source: Path) -> Pi05Config:
     cameras = [k for k, f in inputs.items() if f.get("type") == "VISUAL"]
     resolution = lerobot.get("image_resolution") or [224, 224]
     cfg = preset_config("pi05", "full", **SIGLIP, vocab_size=0)  # the vocabulary: from the weights
-    cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = width, depth, mlp, heads, kv, head_dim
+    cfg.width, cfg.depth, cfg.mlp_dim = width, depth, mlp
+    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = heads, kv, head_dim
     cfg.expert_width, cfg.expert_mlp_dim = e_width, e_mlp
     cfg.image_size = int(resolution[0])
     cfg.image_keys = cameras or cfg.image_keys
@@ -405,7 +406,8 @@ def load_lerobot_pi05(
     policy.check_state_dict(ours, weights, optional=buffers)
     policy.load_state_dict(ours, strict=False)
     stats = _normalizer_stats(directory)
-    for normalizer, feature in ((policy.state_normalizer, config.state_key), (policy.action_normalizer, config.action_key)):
+    for normalizer, feature in ((policy.state_normalizer, config.state_key),
+                                (policy.action_normalizer, config.action_key)):
         width = normalizer.data_dim or normalizer.dim
         if feature in stats and not (adapted and any(v.numel() != width for v in stats[feature].values())):
             try:  # LeRobot normalizes with the checkpoint's statistics as they are (no degenerate-range repair)

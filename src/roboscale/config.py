@@ -98,8 +98,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if dataclasses.is_dataclass(tp):
             if isinstance(value, tp):
                 return value
-            if isinstance(value, str) and tp in _CHOICES and value in _CHOICES[tp]:
-                value = {"type": value}  # a registered section named by its type alone
+            if isinstance(value, str) and tp in _CHOICES:
+                value = {"type": value}  # a registered section named by its type alone (`--rl.algorithm=ppo`)
             if isinstance(value, str):
                 value = yaml.safe_load(value)
             if not isinstance(value, dict):
@@ -218,8 +218,6 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def _merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for k, v in override.items():
-        if isinstance(v, str) and isinstance(out.get(k), dict) and "type" in out[k]:
-            v = {"type": v}  # `--rl.algorithm=ppo` for a registered section: its type, as `--rl.algorithm.type=ppo`
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             # Switching a registered section's type drops the old type's options.
             if "type" in v and v["type"] != out[k].get("type"):

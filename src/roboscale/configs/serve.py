@@ -45,9 +45,9 @@ class ServeConfig:
     asked)."""
     max_message_mb: float = 4.0
     """The largest message a client may send (a larger one closes its connection with code 1009, before it is
-    read). 4 MiB holds four 640x480 RGB frames (the server fits them to the policy's size); a message of that size
-    holds the server's connection loop a few ms (websockets reads and unmasks a frame whole), which the other
-    connections wait for: raise it only for clients that need it."""
+    read). 4 MiB holds four 640x480 RGB frames (the server fits them to the policy's size). websockets reads and
+    unmasks a frame whole on the loop every connection shares, so the larger the limit, the longer one client's
+    message can hold the others (not measured per size): raise it only for clients that need it."""
     max_prompt_chars: int = 2000
     """The longest instruction a client may send (a longer one is refused in an error frame): its tokenizing runs
     with the model's batch."""

@@ -250,6 +250,12 @@ class RolloutSource:
         max(0, rollout - max_staleness) rollouts."""
         return max(0, rollout - self.options.max_staleness) * self.options.epochs
 
+    def _acting_versions(self, rollout: int) -> set[int]:
+        """The exact schedule's: the weights rollout ``rollout`` and those that may be in flight beside it (up to
+        max_staleness ahead, within the run) act with."""
+        last = min(rollout + self.options.max_staleness + 1, self.rollouts)
+        return {self.acting_version(r) for r in range(rollout, max(last, rollout + 1))}
+
     def publish(self, state: dict[str, torch.Tensor], version: int) -> None:
         """New weights for the rollouts that start from now on (``version``: the trainer's step)."""
         with self._lock:
@@ -458,9 +464,8 @@ class RolloutSource:
         (a resume acts with them again: ``load_tensor_state``), as ``<version>/<name>``."""
         if not self.exact:
             return {}
-        rollout = self.step // self.options.epochs
+        needed = self._acting_versions(self.step // self.options.epochs)
         with self._lock:
-            needed = {self.acting_version(r) for r in range(rollout, rollout + self.options.max_staleness + 1)}
             kept = {v: self._published[v] for v in sorted(needed) if v < self.step and v in self._published}
         return {f"{version}/{name}": value for version, state in kept.items() for name, value in state.items()}
 
@@ -469,10 +474,7 @@ class RolloutSource:
         for key, value in tensors.items():
             version, _, name = key.partition("/")
             published.setdefault(int(version), {})[name] = value
-        rollout = self.step // self.options.epochs
-        missing = sorted({self.acting_version(r) for r in range(rollout, min(rollout + self.options.max_staleness + 1,
-                                                                             self.rollouts))}
-                         - set(published) - {self.step})
+        missing = sorted(self._acting_versions(self.step // self.options.epochs) - set(published) - {self.step})
         if self.exact and missing:
             raise ValueError(f"the checkpoint lacks the weights of steps {missing}, which the rollouts after step "
                              f"{self.step} act with under --rl.schedule=exact (saved with --rl.schedule=bounded?)")

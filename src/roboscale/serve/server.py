@@ -217,12 +217,14 @@ class PolicyServer:
     # --- connections ----------------------------------------------------------------------------------------
     def _check_request(self, connection: Any, request: Any) -> Any:
         """Before the handshake: the health check, and the API key (a refused client costs no model work)."""
+        from websockets.datastructures import MultipleValuesError
+
         if request.path == HEALTH_PATH:
             return connection.respond(http.HTTPStatus.OK, "OK\n")
         if self.api_key is not None:
             try:
                 given = request.headers.get("Authorization", "")
-            except Exception:  # websockets' MultipleValuesError: two Authorization headers are no key at all
+            except MultipleValuesError:  # two Authorization headers are no key at all
                 given = None
             if given is None:
                 log.warning("refused %s: more than one Authorization header", _peer(connection))
@@ -266,10 +268,6 @@ class PolicyServer:
             item = await asyncio.get_running_loop().run_in_executor(self._parsing, self._parse, message)
             self._predicting(info, True)
             answer = await self._infer(item)
-            chunk = np.asarray(answer.prediction.chunk, dtype=np.float32)
-            if not np.isfinite(chunk).all():  # never a success: a robot must not execute NaN
-                raise ObservationError("the policy's actions for this observation are not finite (NaN or Inf); "
-                                       "the other clients of its batch are unaffected")
         except (WireError, ObservationError, ValueError) as exc:
             self._predicting(info, False)
             info.errors += 1
@@ -279,6 +277,12 @@ class PolicyServer:
             info.errors += 1
             log.exception("connection %d: prediction failed", info.number)
             return f"error: prediction failed ({type(exc).__name__}: {exc})"
+        chunk = np.asarray(answer.prediction.chunk, dtype=np.float32)
+        if not np.isfinite(chunk).all():  # never a success: a robot must not execute NaN (it still predicts)
+            info.errors += 1
+            log.info("connection %d: the policy's chunk is not finite", info.number)
+            return ("error: the policy's actions for this observation are not finite (NaN or Inf); the other clients "
+                    "of its batch are unaffected")
         total_ms = (time.perf_counter() - start) * 1000
         info.busy_s += total_ms / 1000
         return pack({"actions": chunk,

@@ -423,11 +423,12 @@ def lerobot_config(cfg: Pi05Config) -> dict[str, Any]:
     variants = {dims: name for name, dims in GEMMA_VARIANTS.items()}
     lm = (cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     expert = (cfg.expert_width, cfg.depth, cfg.expert_mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    problems = [f"policy.{name} is {getattr(cfg, name)!r} (LeRobot: {value!r})"
-                for name, value in (*SIGLIP.items(), ("state_input", "prompt"), ("prompt_state_padded", True),
-                                    ("vit_conv_stem", False), ("pixel_shuffle", 1),
-                                    ("state_key", "observation.state"), ("action_key", "action"))
-                if getattr(cfg, name) != value and not (name == "prompt_state_padded" and not cfg.dataset_state_dim)]
+    required = {**SIGLIP, "state_input": "prompt", "vit_conv_stem": False, "pixel_shuffle": 1,
+                "state_key": "observation.state", "action_key": "action"}
+    if cfg.dataset_state_dim:  # LeRobot writes the padded state into the prompt; without padding both agree
+        required["prompt_state_padded"] = True
+    problems = [f"policy.{name} is {getattr(cfg, name)!r} (LeRobot: {value!r})" for name, value in required.items()
+                if getattr(cfg, name) != value]
     for tower, dims in (("language model", lm), ("action expert", expert)):
         if dims not in variants:
             problems.append(f"the {tower} (width, depth, mlp, heads, kv heads, head dim) {dims} is none of "

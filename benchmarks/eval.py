@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, RunnerConfig
 from roboscale.models.registry import build_policy, preset_config
 from roboscale.rollout.engine import EnvSetup, RolloutEngine, RolloutStats
 from roboscale.rollout.episode import EpisodeJob
@@ -58,17 +58,19 @@ def demo_checkpoint(directory: Path, preset: str, spec: EnvSpec, tasks: list[str
 def designs(workers: int, envs: int) -> list[tuple[str, RolloutConfig]]:
     """The first is the baseline the others are compared with."""
     local = {"workers": workers, "inference": "worker"}
-    server = {"workers": workers, "envs_per_worker": envs, "inference": "server", "max_batch_size": 32}
+    server = {"workers": workers, "envs_per_worker": envs, "inference": "server"}
     return [
         ("baseline: policy per worker, batch of one", RolloutConfig(**local, envs_per_worker=1,
                                                                     render="every_step")),
         ("baseline + render on demand", RolloutConfig(**local, envs_per_worker=1)),
-        ("server, 2 sub-batches, 5 ms (defaults)", RolloutConfig(**server, sub_batches=2, batch_timeout_ms=5)),
+        ("server, 2 sub-batches, 5 ms (defaults)", RolloutConfig(**server, sub_batches=2,
+                                                                  runner=RunnerConfig(max_batch_size=32, batch_timeout_ms=5))),
         # one request per worker; the batch waits for every worker that has episodes (the producers rule), so the
         # workers step together while the server waits, and wait while it predicts (with both cores: 2 threads)
-        ("server, 1 sub-batch, 200 ms", RolloutConfig(**server, sub_batches=1, batch_timeout_ms=200)),
-        ("server, 1 sub-batch, 200 ms, 2 server threads", RolloutConfig(**server, sub_batches=1,
-                                                                         batch_timeout_ms=200, inference_threads=2)),
+        ("server, 1 sub-batch, 200 ms", RolloutConfig(**server, sub_batches=1,
+                                                               runner=RunnerConfig(batch_timeout_ms=200))),
+        ("server, 1 sub-batch, 200 ms, 2 server threads", RolloutConfig(
+            **server, sub_batches=1, runner=RunnerConfig(batch_timeout_ms=200, threads=2))),
         ("batch per worker (no server)", RolloutConfig(**local, envs_per_worker=envs)),
     ]
 

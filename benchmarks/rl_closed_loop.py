@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--rl-steps", type=int, default=64, help="optimizer steps (--rl.epochs per rollout)")
     parser.add_argument("--rl-save-freq", type=int, default=16, help="keeps these checkpoints of the RL run")
     parser.add_argument("--rl", nargs="*", default=["--rl.group_size=8", "--rl.states_per_task=2", "--rl.epochs=2",
-                                                    "--rl.noise_level=1.0", "--rl.max_steps=200",
+                                                    "--rollout.sampler.noise_level=1.0", "--rl.max_steps=200",
                                                     "--optimizer.lr=3e-5"],
                         help="further `roboscale rl` options")
     args = parser.parse_args()

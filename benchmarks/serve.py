@@ -80,8 +80,8 @@ def in_process(checkpoint: Path, device: str, threads: int, clients: int, second
 
 def start_server(checkpoint: Path, device: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0", f"--device={device}",
-         f"--threads={threads}", f"--max_batch_size={max_batch}"],
+        [sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0", f"--runner.device={device}",
+         f"--runner.threads={threads}", f"--runner.max_batch_size={max_batch}"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "ROBOSCALE_LOG": "WARNING"})
     line = process.stdout.readline()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from roboscale.configs.eval import EvalConfig
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, RunnerConfig
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.eval.closed_loop import evaluate
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig
@@ -50,7 +50,7 @@ def test_batched_and_unbatched_evaluations_of_the_real_policy_agree_in_metaworld
                                    "rollout": RolloutConfig(workers=1, envs_per_worker=1, inference="worker")}),
                      progress=False)
     batched = evaluate(EvalConfig(**{**base.__dict__, "output_dir": str(tmp_path / "batched"),
-                                     "rollout": RolloutConfig(workers=2, envs_per_worker=3, batch_timeout_ms=50,
+                                     "rollout": RolloutConfig(workers=2, envs_per_worker=3, runner=RunnerConfig(batch_timeout_ms=50),
                                                                      inference="server")}),
                        progress=False)
     a = json.loads((tmp_path / "alone" / "report.json").read_text())["episodes"]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from roboscale.configs.eval import EvalConfig
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, RunnerConfig
 from roboscale.eval.closed_loop import evaluate
 from roboscale.eval.episode_log import EpisodeLog
 from tests.eval.test_report import make_report
@@ -286,15 +286,15 @@ def test_a_batched_prediction_equals_predicting_alone_up_to_float32_rounding(che
 
 @pytest.mark.slow
 def test_one_observation_per_policy_call_gives_identical_episodes_whatever_the_workers(checkpoint, tmp_path):
-    """README's exact claim: --rollout.max_batch_size=1 and --rollout.inference_threads=1 make every policy call
+    """README's exact claim: --rollout.runner.max_batch_size=1 and --rollout.runner.threads=1 make every policy call
     the same computation, so the episodes are the same bit for bit (sum_reward included) in MetaWorld, for any
     number of env workers and environments per worker."""
     layouts = [(1, 1), (1, 2), (2, 1)]  # (workers, envs_per_worker)
     for workers, envs in layouts:
         cfg = EvalConfig(checkpoint=str(checkpoint), tasks=["reach"], episodes=3, max_steps=12, videos_per_task=0,
                          output_dir=str(tmp_path / f"{workers}x{envs}"),
-                         rollout=RolloutConfig(workers=workers, envs_per_worker=envs, max_batch_size=1,
-                                               inference_threads=1))
+                         rollout=RolloutConfig(workers=workers, envs_per_worker=envs, runner=RunnerConfig(max_batch_size=1,
+                                                                                     threads=1)))
         evaluate(cfg, progress=False)
     runs = [tmp_path / f"{workers}x{envs}" for workers, envs in layouts]
     assert _episodes(runs[0]) == _episodes(runs[1]) == _episodes(runs[2])

@@ -20,6 +20,7 @@ import torch
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from roboscale.configs.rollout import RunnerConfig
 from roboscale.configs.serve import ServeConfig
 from roboscale.errors import ConfigError
 from roboscale.serve.server import PolicyServer
@@ -127,7 +128,7 @@ def test_a_hostile_client_does_not_stall_another_robot(checkpoint) -> None:
     measured client are three processes, as on a robot's network."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     server = subprocess.Popen([sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0",
-                               "--threads=1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                               "--runner.threads=1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     attacker = None
     try:
         line = server.stdout.readline()
@@ -176,6 +177,6 @@ def test_a_port_in_use_and_a_missing_cuda_device_are_one_line_errors(checkpoint)
     finally:
         taken.close()
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: --device=cuda is valid here")
-    with pytest.raises(ConfigError, match=r"^--device=cuda: this machine has 0 CUDA devices"):
-        PolicyServer(ServeConfig(checkpoint=checkpoint, device="cuda"))
+        pytest.skip("this machine has CUDA: --runner.device=cuda is valid here")
+    with pytest.raises(ConfigError, match=r"^--runner.device=cuda: this machine has 0 CUDA devices"):
+        PolicyServer(ServeConfig(checkpoint=checkpoint, runner=RunnerConfig(device="cuda")))

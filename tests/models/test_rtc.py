@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from roboscale.configs.rollout import SDESampler
 from roboscale.models.flow_matching import FlowMatching
 from roboscale.models.rtc import ChunkGuide, Guide, guidance_weight, prefix_weights
 from roboscale.rollout.inference import PolicyRunner, PredictItem
@@ -222,6 +223,6 @@ def test_the_runner_refuses_bad_committed_actions_naming_the_field(checkpoint, c
 
 def test_the_sde_sampler_and_an_unknown_schedule_refuse_real_time_chunking(checkpoint):
     with pytest.raises(ValueError, match="committed: .*sde"):
-        PolicyRunner(checkpoint, sampler="sde").predict([_item(0, _leftover(3, 0), 1)])
+        PolicyRunner(checkpoint, sampler=SDESampler()).predict([_item(0, _leftover(3, 0), 1)])
     with pytest.raises(ValueError, match="rtc_schedule"):
         PolicyRunner(checkpoint, rtc_schedule="cosine")

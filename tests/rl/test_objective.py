@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from roboscale.configs.rl import RLOptions
+from roboscale.configs.rollout import SDESampler
 from roboscale.models.flow_matching import sampled_log_density
 from roboscale.rl.objective import PolicyGradientLoss
 from roboscale.rl.rollouts import chunk_batches
 from roboscale.rollout.trajectory import ChunkRecord, Trajectory
 from tests.models.helpers import CAMERAS, tiny_policy
 
-NOISE = RLOptions().noise_level  # the episodes are sampled as the objective's default options score them
+SAMPLER = SDESampler()  # the episodes are sampled as the objective's default sampler scores them
+NOISE = SAMPLER.noise_level
 
 
 class _Result:
@@ -65,7 +67,7 @@ def _batch(policy, results, advantages):
 
 def test_on_policy_the_loss_is_minus_the_mean_advantage_and_metrics_are_episode_means(setup) -> None:
     policy, results = setup
-    loss, metrics = PolicyGradientLoss(RLOptions())(policy, _batch(policy, results, [1.0, -1.0]))
+    loss, metrics = PolicyGradientLoss(RLOptions(), SAMPLER)(policy, _batch(policy, results, [1.0, -1.0]))
     # on-policy the ratio is 1 (up to float32 rounding of the recorded against the recomputed log-probabilities):
     # each episode's chunks average to its advantage, the episodes average to 0
     torch.testing.assert_close(loss, torch.tensor(0.0), atol=1e-6, rtol=0)
@@ -75,7 +77,7 @@ def test_on_policy_the_loss_is_minus_the_mean_advantage_and_metrics_are_episode_
     assert metrics["episode_steps"] == pytest.approx(((2 * n_steps + 1) + (n_steps + 1)) / 2)  # a mean over episodes
     assert metrics["episodes"] == pytest.approx(2.0) and metrics["chunks"] == 5
     n = policy.config.n_action_steps * 4
-    loss_one, _ = PolicyGradientLoss(RLOptions())(policy, _batch(policy, results, [1.0, 0.0]))
+    loss_one, _ = PolicyGradientLoss(RLOptions(), SAMPLER)(policy, _batch(policy, results, [1.0, 0.0]))
     assert loss_one.item() == pytest.approx(-0.5 / n, rel=1e-5)  # (1 + 0) / 2 episodes, over n entries
 
 
@@ -95,7 +97,7 @@ def test_the_recorded_log_prob_is_the_one_the_trainer_recomputes(setup) -> None:
 def test_the_gradient_raises_the_likelihood_of_a_positive_advantage(setup) -> None:
     """One small step along the loss's gradient makes the chunks of the episode with A > 0 likelier."""
     policy, results = setup
-    objective = PolicyGradientLoss(RLOptions())
+    objective = PolicyGradientLoss(RLOptions(), SAMPLER)
     batch = _batch(policy, results, [1.0, 0.0])
     policy.zero_grad()
     loss, _ = objective(policy, batch)
@@ -124,7 +126,7 @@ def test_the_gradient_raises_the_likelihood_of_a_positive_advantage(setup) -> No
 def test_a_ratio_outside_the_clip_range_stops_pulling(setup) -> None:
     policy, results = setup
     batch = _batch(policy, results, [1.0, 1.0])
-    objective = PolicyGradientLoss(RLOptions(clip=0.2))
+    objective = PolicyGradientLoss(RLOptions(clip=0.2), SAMPLER)
     _, metrics = objective(policy, batch)
     with torch.no_grad():
         encoded = policy.encode(batch["observation"], cache=True)

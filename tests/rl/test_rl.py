@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 # small and exact: one observation per policy call and one thread, so that batching changes nothing at all
 RL = ["--tasks=[reach]", "--rl.group_size=2", "--rl.max_steps=12", "--rollout.envs_per_worker=2",
-      "--rollout.max_batch_size=1", "--rollout.inference_threads=1", "--log_freq=1", "--optimizer.lr=1e-3"]
+      "--rollout.runner.max_batch_size=1", "--rollout.runner.threads=1", "--log_freq=1", "--optimizer.lr=1e-3"]
 
 
 def _env() -> dict[str, str]:

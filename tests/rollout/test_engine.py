@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, RunnerConfig
 from roboscale.errors import CheckpointError
 from roboscale.rollout.engine import RolloutEngine, task_turns
 from roboscale.rollout.episode import EpisodeJob
@@ -38,8 +38,8 @@ def test_batched_and_unbatched_inference_give_the_same_episodes(checkpoint):
     jobs = jobs_for(["reach", "reach-far"], 4)
     alone, _ = RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1, inference="worker"),
                              setup_for(checkpoint)).run(jobs)
-    batched, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=3, max_batch_size=8, inference="server",
-                                                 batch_timeout_ms=20), setup_for(checkpoint)).run(jobs)
+    batched, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=3, inference="server",
+                                                 runner=RunnerConfig(max_batch_size=8, batch_timeout_ms=20)), setup_for(checkpoint)).run(jobs)
     assert outcomes(alone) == outcomes(batched)
     np.testing.assert_allclose([r.sum_reward for r in alone], [r.sum_reward for r in batched], rtol=1e-5)
     assert stats.mean_batch_size > 1.5  # it did batch
@@ -58,7 +58,7 @@ def test_a_batch_goes_as_soon_as_every_group_with_episodes_has_asked(checkpoint)
     the workers' credits (dealt to every worker, not all to the first)."""
     start = time.monotonic()
     results, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=2, sub_batches=1, inference="server",
-                                                 batch_timeout_ms=60_000), setup_for(checkpoint)).run(
+                                                 runner=RunnerConfig(batch_timeout_ms=60_000)), setup_for(checkpoint)).run(
         jobs_for(["reach", "reach-far"], 3))
     assert time.monotonic() - start < 60
     assert set(stats.batch_reasons) == {"all_waiting"} and stats.inference_calls > 0

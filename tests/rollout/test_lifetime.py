@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, RunnerConfig
 from roboscale.errors import CheckpointError
 from roboscale.rollout import engine as engine_module
 from roboscale.rollout.engine import RolloutEngine
 from tests.models.helpers import tiny_policy
 from tests.rollout.helpers import CountingLauncher, jobs_for, outcomes, setup_for
 
-EXACT = {"max_batch_size": 1, "inference_threads": 1}  # every policy call the same computation: bit-identical
+EXACT = {"runner": RunnerConfig(max_batch_size=1, threads=1)}  # every policy call the same computation: bit-identical
 
 
 @pytest.fixture

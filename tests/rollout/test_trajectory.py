@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import ODESampler, RolloutConfig, RunnerConfig, SDESampler
 from roboscale.errors import ConfigError
 from roboscale.models.policy import Policy
 from roboscale.rollout.engine import RolloutEngine
@@ -15,7 +15,7 @@ from roboscale.rollout.episode import EpisodeJob
 from tests.rollout.helpers import jobs_for, setup_for
 
 MAX_STEPS, N_ACTION_STEPS = 12, 3
-EXACT = {"max_batch_size": 1, "inference_threads": 1}
+EXACT = {"runner": RunnerConfig(max_batch_size=1, threads=1)}
 
 
 def rl_jobs() -> list[EpisodeJob]:
@@ -27,7 +27,8 @@ def rl_jobs() -> list[EpisodeJob]:
 
 
 def rollout(checkpoint: str, sampler: str, workers: int, envs: int, on_result=None):
-    cfg = RolloutConfig(workers=workers, envs_per_worker=envs, sampler=sampler, **EXACT)
+    chosen = SDESampler(noise_level=0.5, sde_steps=0) if sampler == "sde" else ODESampler()  # every step noisy
+    cfg = RolloutConfig(workers=workers, envs_per_worker=envs, sampler=chosen, **EXACT)
     results, _ = RolloutEngine(cfg, setup_for(checkpoint, max_steps=MAX_STEPS)).run(rl_jobs(), on_result)
     return results
 
@@ -100,9 +101,12 @@ def test_sde_trajectories_do_not_depend_on_the_layout_and_differ_from_ode(sde, c
     assert not np.allclose(first.chunk, results[0].trajectory.chunks[0].chunk, atol=1e-3)
 
 
-def test_the_sde_sampler_needs_a_positive_noise_level():
-    with pytest.raises(ConfigError, match=r"^--rollout.noise_level must be > 0 for --rollout.sampler=sde, got 0"):
-        RolloutConfig(sampler="sde", noise_level=0.0)
-    with pytest.raises(ConfigError, match="--rollout.sampler must be one of"):
-        RolloutConfig(sampler="euler")
-    assert RolloutConfig(noise_level=0.0).sampler == "ode"  # ode ignores it
+def test_the_sde_sampler_needs_a_positive_noise_level_and_ode_has_no_noise_options():
+    from roboscale.config import parse
+
+    with pytest.raises(ConfigError, match=r"^--rollout.sampler.noise_level must be > 0, got 0"):
+        parse(RolloutConfig, ["--sampler=sde", "--sampler.noise_level=0"])
+    with pytest.raises(ConfigError, match=r"sampler.type: 'euler' is not one of \['ode', 'sde'\]"):
+        parse(RolloutConfig, ["--sampler=euler"])
+    with pytest.raises(ConfigError, match=r"sampler: unknown option\(s\) \['noise_level'\]"):  # ode has none
+        parse(RolloutConfig, ["--sampler.noise_level=0.3"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from roboscale.configs.eval import EvalConfig
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, RunnerConfig, SDESampler
 from roboscale.errors import ConfigError
 from roboscale.eval.closed_loop import evaluate
 from tests.models.helpers import tiny_policy
@@ -34,7 +34,8 @@ def test_remote_inference_ends_every_episode_as_local_inference(checkpoint, tmp_
     evaluate(EvalConfig(checkpoint=checkpoint, output_dir=str(tmp_path / "local"), **protocol,
                         rollout=RolloutConfig(workers=1, envs_per_worker=2, inference="worker")), progress=False)
     (tmp_path / "key").write_text("eval-key\n")
-    with served(checkpoint=checkpoint, api_key_file=str(tmp_path / "key"), batch_timeout_ms=20) as (server, url):
+    with served(checkpoint=checkpoint, api_key_file=str(tmp_path / "key"),
+                runner=RunnerConfig(batch_timeout_ms=20)) as (server, url):
         remote = evaluate(EvalConfig(output_dir=str(tmp_path / "remote"), **protocol, rollout=RolloutConfig(
             workers=2, envs_per_worker=2, server=url, server_api_key_file=str(tmp_path / "key"))), progress=False)
         batches = server.batcher.stats().sizes
@@ -77,4 +78,4 @@ def test_what_is_evaluated_comes_from_the_server(checkpoint, tmp_path, monkeypat
     with pytest.raises(ConfigError, match="--rollout.server must be a ws://HOST:PORT address"):
         RolloutConfig(server="http://127.0.0.1:8000")
     with pytest.raises(ConfigError, match="--rollout.sampler=sde needs the policy here"):
-        RolloutConfig(server="ws://127.0.0.1:8000", sampler="sde")
+        RolloutConfig(server="ws://127.0.0.1:8000", sampler=SDESampler())

@@ -20,6 +20,7 @@ import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from roboscale.configs.rollout import RunnerConfig
 from roboscale.configs.serve import ServeConfig
 from roboscale.errors import ConfigError
 from roboscale.rollout.inference import PredictItem, RunnerSettings
@@ -67,7 +68,7 @@ def test_a_connection_gets_metadata_then_a_chunk_per_observation_in_the_datasets
 
 def test_batches_across_connections_change_no_chunk(checkpoint):
     """Four robots at once: their observations are predicted together, and each gets the chunk it gets alone."""
-    with served(checkpoint=checkpoint, batch_timeout_ms=200) as (server, url):
+    with served(checkpoint=checkpoint, runner=RunnerConfig(batch_timeout_ms=200)) as (server, url):
         ws, _ = client(url)
         with ws:
             alone = {seed: ask(ws, observation(seed=seed))["actions"] for seed in range(4)}
@@ -186,7 +187,7 @@ def _masked_frame_header(length: int) -> bytes:
 
 
 def test_a_client_that_stalls_mid_message_or_vanishes_mid_request_blocks_nobody(checkpoint):
-    with served(checkpoint=checkpoint, batch_timeout_ms=50) as (_, url):
+    with served(checkpoint=checkpoint, runner=RunnerConfig(batch_timeout_ms=50)) as (_, url):
         stalled = _raw_handshake(url)
         stalled.sendall(_masked_frame_header(10_000) + b"\x82" * 100)  # 100 of 10,000 bytes, then nothing
         vanishing = _raw_handshake(url)

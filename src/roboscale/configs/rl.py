@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from roboscale.config import register_lazy
-from roboscale.configs.rollout import RolloutConfig
+from roboscale.configs.rollout import RolloutConfig, SDESampler
 from roboscale.configs.train import CheckpointConfig, EvalDuringTrainingConfig, OptimizerConfig, ParallelConfig
 from roboscale.errors import ConfigError
 
@@ -105,17 +105,6 @@ class RLOptions:
     clip: float = 0.2
     """The clipped surrogate every algorithm trains with (PPO's, which GRPO and RLOO use too): updates stop pulling
     once a chunk's likelihood ratio leaves [1 - clip, 1 + clip]."""
-    noise_level: float = 1.0
-    """The stochastic sampler's noise (Flow-SDE's g): exploration, and what makes a chunk's likelihood exist.
-    Only the stochastic steps' noise is credited by the likelihood, not the chunk's starting noise; at 1.0 (with
-    one stochastic step) it spreads the demo policy's actions ~1.5x more than the starting noise does, at 0.5 only
-    half as much, and RL did not lift the weak tasks (docs/benchmarks.md). Evaluation keeps the deterministic
-    sampler."""
-    sde_steps: int = 1
-    """Denoising steps per chunk that draw noise (chosen per episode and chunk), the others following the ODE:
-    πRL's hybrid ODE-SDE sampling. A chunk's likelihood is that of its stochastic steps, so training runs the
-    action expert this many times per chunk instead of num_inference_steps. 0: every step (the full Flow-SDE
-    chain)."""
     seed: int = 100_000
     """Initial states of step s are drawn from (seed, s): disjoint from the demonstrations' (0) and evaluation's
     (1000) seeds."""
@@ -131,14 +120,11 @@ class RLOptions:
             raise ConfigError(f"--rl.max_staleness must be >= 0, got {self.max_staleness}")
         if self.reward not in REWARDS:
             raise ConfigError(f"--rl.reward must be one of {list(REWARDS)}, got {self.reward!r}")
-        if self.sde_steps < 0:
-            raise ConfigError(f"--rl.sde_steps must be >= 0, got {self.sde_steps}")
         for name in ("group_size", "states_per_task", "epochs", "max_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--rl.{name} must be a positive integer, got {getattr(self, name)}")
-        if not 0 < self.clip < 1 or self.noise_level <= 0:
-            raise ConfigError(f"--rl.clip must be in (0, 1) and --rl.noise_level > 0, got {self.clip} and "
-                              f"{self.noise_level}")
+        if not 0 < self.clip < 1:
+            raise ConfigError(f"--rl.clip must be in (0, 1), got {self.clip}")
         self.algorithm.check(self)
 
 
@@ -182,15 +168,18 @@ class RLConfig:
     """fp32 | bf16 (training; rollouts run fp32 on the CPU)."""
     rl: RLOptions = field(default_factory=RLOptions)
     """The algorithm and the episodes of a step."""
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(workers=2, envs_per_worker=4))
-    """Env workers and inference servers (their sampler is the stochastic one, at --rl.noise_level)."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(workers=2, envs_per_worker=4,
+                                                                         sampler=SDESampler()))
+    """Env workers and inference servers, and the stochastic sampler the episodes act with and the objective's
+    likelihoods are computed by (--rollout.sampler.noise_level, sde_steps). Evaluation keeps the deterministic
+    sampler."""
     eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
     """Evaluation during training (deterministic sampler, --eval.seed's scenes)."""
 
     def __post_init__(self) -> None:
-        if self.rollout.server:
-            raise ConfigError("--rollout.server: roboscale rl acts with the weights it trains, in its own inference "
-                              "servers; a remote policy server is for `roboscale eval`")
+        if not self.rollout.sampler.stochastic:
+            raise ConfigError(f"--rollout.sampler={self.rollout.sampler.type}: RL trains on the likelihoods of the "
+                              "chunks it acted with, which only the stochastic sampler has (--rollout.sampler=sde)")
         if self.steps <= 0 or self.save_freq <= 0 or self.log_freq <= 0:
             raise ConfigError("--steps, --save_freq and --log_freq must be positive integers")
         epochs = self.rl.epochs

@@ -3,13 +3,88 @@ how crashed or hung simulators are retried (shared by `roboscale eval` and, late
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+from roboscale.config import register_lazy
 from roboscale.errors import ConfigError
 
 INFERENCE_MODES = ("auto", "server", "worker")
 RENDER_MODES = ("on_demand", "every_step")
-SAMPLERS = ("ode", "sde")
+
+
+@dataclass
+class Sampler:
+    """How the policy samples a chunk (``--rollout.sampler=NAME``, its options ``--rollout.sampler.*``): the one
+    place its options live, read by the processes that predict and by RL's objective (whose likelihoods are the
+    sampler's)."""
+
+    type: ClassVar[str] = ""
+    stochastic: ClassVar[bool] = False
+    """Whether a chunk's denoising chain is drawn and recorded with it (a likelihood exists: RL)."""
+
+
+@dataclass
+class ODESampler(Sampler):
+    """ode: the policy's deterministic Euler steps from the episode's noise (evaluation, serving)."""
+
+    type: ClassVar[str] = "ode"
+
+
+@dataclass
+class SDESampler(Sampler):
+    """sde: the stochastic sampler of RL post-training (Flow-SDE): step noise drawn per episode and chunk as well,
+    and the denoising chain recorded with each chunk."""
+
+    type: ClassVar[str] = "sde"
+    stochastic: ClassVar[bool] = True
+    noise_level: float = 1.0
+    """The noise level g (> 0): the standard deviation of a step is g * sqrt(1 / steps). Exploration, and what
+    makes a chunk's likelihood exist; only the stochastic steps' noise is credited by the likelihood, not the
+    chunk's starting noise. At 1.0 (with one stochastic step) it spreads the demo policy's actions ~1.5x more than
+    the starting noise does, at 0.5 only half as much, and RL did not lift the weak tasks (docs/benchmarks.md)."""
+    sde_steps: int = 1
+    """Denoising steps per chunk that draw noise (chosen per episode and chunk), the others following the ODE:
+    πRL's hybrid ODE-SDE sampling. A chunk's likelihood is that of its stochastic steps, so RL's training runs the
+    action expert this many times per chunk instead of num_inference_steps. 0: every step (the full Flow-SDE
+    chain)."""
+
+    def __post_init__(self) -> None:
+        if not self.noise_level > 0:  # `not >`: NaN too
+            raise ConfigError(f"--rollout.sampler.noise_level must be > 0, got {self.noise_level}")
+        if self.sde_steps < 0:
+            raise ConfigError(f"--rollout.sampler.sde_steps must be >= 0, got {self.sde_steps}")
+
+
+SAMPLERS = {"ode": "roboscale.configs.rollout:ODESampler", "sde": "roboscale.configs.rollout:SDESampler"}
+for _name, _path in SAMPLERS.items():
+    register_lazy(Sampler, _name, _path)
+
+
+@dataclass
+class RunnerConfig:
+    """The process that runs the policy: where, with how many threads, and on what batches (the rollout's
+    inference servers and workers, and `roboscale serve`, which nest it with their own defaults)."""
+
+    device: str = "auto"
+    """Where the policy runs: auto (cuda if available; on Ray, if the cluster has a GPU, which the inference
+    servers then reserve), cpu, cuda, cuda:N."""
+    threads: int = 0
+    """torch threads of each process that runs the policy (0: the machine's cores over the processes sharing
+    them)."""
+    max_batch_size: int = 32
+    """Observations predicted together at most: a batch goes as soon as this many wait..."""
+    batch_timeout_ms: float = 5.0
+    """...or this long after the first of them arrived (sooner when every client that may ask has asked)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size <= 0:
+            raise ConfigError(f"runner.max_batch_size must be a positive integer, got {self.max_batch_size}")
+        if self.threads < 0:
+            raise ConfigError(f"runner.threads must be >= 0, got {self.threads}")
+        if not (math.isfinite(self.batch_timeout_ms) and self.batch_timeout_ms >= 0):
+            raise ConfigError(f"runner.batch_timeout_ms must be >= 0, got {self.batch_timeout_ms}")
 
 
 @dataclass
@@ -38,17 +113,14 @@ class RolloutConfig:
     n_action_steps) and video frames; every_step: render every step (the design before the engine; a baseline)."""
     servers: int = 1
     """Inference server processes (one per GPU on a GPU machine)."""
-    max_batch_size: int = 32
-    """A server runs the policy as soon as this many observations wait... (a worker that predicts itself runs it
-    on at most this many at a time)"""
-    batch_timeout_ms: float = 5.0
-    """...or this long after the first of them arrived."""
-    device: str = "auto"
-    """Where the policy runs: auto (cuda if available; on Ray, if the cluster has a GPU, which the inference
-    servers then reserve), cpu, cuda, cuda:N."""
-    inference_threads: int = 0
-    """torch threads of each inference process (0: the machine's cores over the processes sharing them: servers
-    and env workers, or the workers that predict for themselves)."""
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    """Where and on what batches the policy runs: in each inference server (--rollout.runner.max_batch_size
+    observations of all workers at most), or in each worker that predicts for itself (its environments' in one
+    batch, or in slices of max_batch_size); threads: 0 shares the cores among servers and env workers, or among
+    the workers that predict for themselves."""
+    sampler: Sampler = field(default_factory=ODESampler)
+    """ode (deterministic: evaluation) or sde (stochastic: RL post-training; --rollout.sampler.noise_level,
+    sde_steps)."""
     max_retries: int = 2
     """Times an episode whose simulator crashed or hung is retried (on new workers) before it counts as failed."""
     watchdog_s: float = 300.0
@@ -57,15 +129,6 @@ class RolloutConfig:
     """Run workers and servers as tasks on this Ray cluster (HOST:PORT); empty: local processes."""
     worker_cpus: float = 1.0
     """CPUs a Ray env worker reserves (fractions allowed)."""
-    sampler: str = "ode"
-    """How the policy samples a chunk: ode (its deterministic Euler steps from the episode's noise: evaluation),
-    sde (the stochastic sampler of RL post-training, Flow-SDE: step noise drawn per episode and chunk as well,
-    and the denoising chain recorded with each chunk)."""
-    noise_level: float = 0.5
-    """The sde sampler's noise level g (> 0): the standard deviation of a step is g * sqrt(1 / steps)."""
-    sde_steps: int = 0
-    """Denoising steps of each chunk that draw noise under the sde sampler, chosen per episode and chunk; the
-    others are the ODE's (πRL's hybrid ODE-SDE sampling: training then recomputes only those steps). 0: all."""
     server: str = ""
     """A running policy server (`roboscale serve`) to predict with, ws://HOST:PORT, instead of loading the policy
     here: each environment is one of its clients (the server batches them), episodes end as with local inference.
@@ -74,25 +137,17 @@ class RolloutConfig:
     """The file whose first line is the server's API key (a server on another interface requires one)."""
 
     def __post_init__(self) -> None:
-        for name in ("workers", "envs_per_worker", "sub_batches", "servers", "max_batch_size"):
+        for name in ("workers", "envs_per_worker", "sub_batches", "servers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--rollout.{name} must be a positive integer, got {getattr(self, name)}")
         if self.inference not in INFERENCE_MODES:
             raise ConfigError(f"--rollout.inference must be one of {list(INFERENCE_MODES)}, got {self.inference!r}")
         if self.render not in RENDER_MODES:
             raise ConfigError(f"--rollout.render must be one of {list(RENDER_MODES)}, got {self.render!r}")
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"--rollout.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
-        if self.sampler == "sde" and not self.noise_level > 0:  # `not >`: NaN too
-            raise ConfigError(f"--rollout.noise_level must be > 0 for --rollout.sampler=sde, got {self.noise_level}")
         if self.server and not self.server.startswith(("ws://", "wss://")):
             raise ConfigError(f"--rollout.server must be a ws://HOST:PORT address, got {self.server!r}")
-        if self.server and self.sampler != "ode":
+        if self.server and self.sampler.stochastic:
             raise ConfigError("--rollout.server predicts with the server's ode sampler; --rollout.sampler=sde needs "
                               "the policy here")
-        if self.sde_steps < 0:
-            raise ConfigError(f"--rollout.sde_steps must be >= 0, got {self.sde_steps}")
-        if (self.batch_timeout_ms < 0 or self.max_retries < 0 or self.watchdog_s <= 0 or self.inference_threads < 0
-                or self.spare_envs < 0):
-            raise ConfigError("--rollout.batch_timeout_ms, max_retries, inference_threads and spare_envs must be "
-                              ">= 0 and --rollout.watchdog_s > 0")
+        if self.max_retries < 0 or self.watchdog_s <= 0 or self.spare_envs < 0:
+            raise ConfigError("--rollout.max_retries and spare_envs must be >= 0 and --rollout.watchdog_s > 0")

@@ -6,6 +6,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from roboscale.configs.rollout import RunnerConfig
 from roboscale.errors import ConfigError
 
 KEY_PRESETS = ("checkpoint", "openpi_libero", "openpi_droid")
@@ -34,15 +35,10 @@ class ServeConfig:
     key_map: dict[str, str] = field(default_factory=dict)
     """Feature -> the client's key, over the preset: e.g. {observation.images.wrist: cam/wrist, observation.state:
     joints+gripper} (a state from several keys joins them, in order, with '+'; the instruction is ``prompt``)."""
-    device: str = "auto"
-    """Where the policy runs: auto (cuda if available), cpu, cuda, cuda:N."""
-    threads: int = 0
-    """torch threads of the policy (0: every core)."""
-    max_batch_size: int = 16
-    """Observations of different connections predicted together at most."""
-    batch_timeout_ms: float = 5.0
-    """How long the first waiting observation waits for others (a batch goes at once when every connection has
-    asked)."""
+    runner: RunnerConfig = field(default_factory=lambda: RunnerConfig(max_batch_size=16))
+    """Where the policy runs (--runner.device: auto is cuda if available; --runner.threads 0: every core) and how
+    the observations of different connections are batched (a batch goes at once when every predicting connection
+    has asked)."""
     max_message_mb: float = 4.0
     """The largest message a client may send (a larger one closes its connection with code 1009, before it is
     read). 4 MiB holds four 640x480 RGB frames (the server fits them to the policy's size). websockets reads and
@@ -71,15 +67,12 @@ class ServeConfig:
 
         if self.rtc_schedule not in SCHEDULES:
             raise ConfigError(f"--rtc_schedule must be one of {list(SCHEDULES)}, got {self.rtc_schedule!r}")
-        for name in ("max_batch_size", "max_prompt_chars"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_prompt_chars <= 0:
+            raise ConfigError(f"--max_prompt_chars must be a positive integer, got {self.max_prompt_chars}")
         for name in ("max_message_mb", "rtc_max_guidance", "shutdown_grace_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--{name} must be a positive number, got {value}")
-        if self.batch_timeout_ms < 0 or self.threads < 0:
-            raise ConfigError("--batch_timeout_ms and --threads must be >= 0")
 
     @property
     def loopback(self) -> bool:

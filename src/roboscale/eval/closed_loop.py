@@ -151,8 +151,8 @@ def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, An
         "inference_calls": stats.inference_calls, "mean_batch_size": stats.mean_batch_size,
         "workers": rollout.workers, "envs_per_worker": rollout.envs_per_worker,
         "inference": stats.inference, "servers": rollout.servers if stats.inference == "server" else 0,
-        "max_batch_size": rollout.max_batch_size, "batch_timeout_ms": rollout.batch_timeout_ms,
-        "inference_threads": rollout.inference_threads,
+        "max_batch_size": rollout.runner.max_batch_size, "batch_timeout_ms": rollout.runner.batch_timeout_ms,
+        "inference_threads": rollout.runner.threads,
         "episodes_run": run, "episodes_resumed": resumed, "restarts": stats.restarts,
     }
 

@@ -110,7 +110,7 @@ class RLJob:
                                driver_cores=cores.rollout if cores else None,
                                log_path=trainer.output_dir / ROLLOUT_LOG if trainer.env.is_main else None)
         publisher = WeightPublisher(source, due=lambda: source.rolls_out_next)
-        return TrainingComponents(data=source, objective=PolicyGradientLoss(cfg.rl), hooks=[publisher],
+        return TrainingComponents(data=source, objective=PolicyGradientLoss(cfg.rl, cfg.rollout.sampler), hooks=[publisher],
                                   state={STATE: RLState(cfg)}, counts_flops=False)
 
 
@@ -127,7 +127,7 @@ def placed(cfg: RLConfig, env: Any) -> tuple[Any, Cores | None]:
 
     rollout = cfg.rollout
     if env.device.type == "cuda":
-        if rollout.device != "auto":  # the user placed them
+        if rollout.runner.device != "auto":  # the user placed them
             return rollout, None
         import torch
 
@@ -138,7 +138,7 @@ def placed(cfg: RLConfig, env: Any) -> tuple[Any, Cores | None]:
             if index >= torch.cuda.device_count():
                 raise ConfigError(f"--rl.placement=disaggregated: the generators of {per_node} ranks need "
                                   f"{2 * per_node} GPUs per node, this one has {torch.cuda.device_count()}")
-        return dataclasses.replace(rollout, device=f"cuda:{index}"), None
+        return dataclasses.replace(rollout, runner=dataclasses.replace(rollout.runner, device=f"cuda:{index}")), None
     if cfg.rl.placement == "disaggregated":
         return rollout, split_cores()
     return rollout, None

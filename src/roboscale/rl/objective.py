@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from roboscale.configs.rl import RLOptions
+from roboscale.configs.rollout import SDESampler
 
 SUMMED = frozenset({"episodes", "chunks"})
 MAXED = frozenset({"staleness_max"})
@@ -57,6 +58,8 @@ class PolicyGradientLoss:
     ``(policy, batch) -> (loss, metrics)``."""
 
     options: RLOptions
+    sampler: SDESampler
+    """The sampler the chunks were drawn with (``--rollout.sampler``): their likelihood is its."""
     summed: frozenset[str] = SUMMED
     maxed: frozenset[str] = MAXED
 
@@ -68,7 +71,7 @@ class PolicyGradientLoss:
             encoded = policy.encode(batch["observation"], cache=True)
             log_prob = policy.flow_matching.chain_log_prob(lambda x, t: policy.velocity(encoded, x, t), chain,
                                                            policy.config.num_inference_steps,
-                                                           self.options.noise_level, mask,
+                                                           self.sampler.noise_level, mask,
                                                            batch["stochastic"].to(device))
             value = policy.value(encoded) if self.options.algorithm.critic else None
         ratio = torch.exp(log_prob - batch["old_log_prob"].to(device))

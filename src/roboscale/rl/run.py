@@ -22,6 +22,8 @@ PROG = "roboscale rl"
 # a copied run resumes where it now is (output_dir), as `train`'s does
 RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoints.", "num_threads", "resume", "rollout.",
                      "eval.", "output_dir")
+TRAJECTORY_OPTIONS = ("rollout.sampler",)
+"""Of the resumable prefixes' options, those that change what the episodes do (the sampler's draws)."""
 
 
 def parse_rl_args(argv: list[str]) -> RLConfig:
@@ -34,7 +36,8 @@ def parse_rl_args(argv: list[str]) -> RLConfig:
 def _refuse_changes(saved: RLConfig, merged: RLConfig, checkpoint: Path) -> None:
     before = flat_options(to_dict(saved))
     changed = [key for key, value in flat_options(to_dict(merged)).items()
-               if before.get(key) != value and not key.startswith(RESUMABLE_CHANGES)]
+               if before.get(key) != value
+               and (not key.startswith(RESUMABLE_CHANGES) or key.startswith(TRAJECTORY_OPTIONS))]
     if changed:
         raise ConfigError(f"--resume: {', '.join(f'--{k}' for k in changed)} differ from the run's own options "
                           f"({rl_state_file(checkpoint)}); a resume continues the same run (start a new --output_dir "
@@ -48,19 +51,41 @@ def rl_state_file(checkpoint: Path) -> Path:
     return checkpoint / TRAINING_STATE / f"{STATE}_state.json"
 
 
+RUNNER_OPTIONS = {"device": "device", "inference_threads": "threads", "max_batch_size": "max_batch_size",
+                  "batch_timeout_ms": "batch_timeout_ms"}
+"""``rollout.*`` options saved before the runner's section -> their name in ``rollout.runner``."""
+
+
 def upgraded(config: dict[str, Any]) -> dict[str, Any]:
-    """An RL config saved before algorithms had options of their own (``rl.algorithm`` a name, PPO's options
-    beside it) in today's shape."""
-    rl = config.get("rl")
-    if not isinstance(rl, dict) or not isinstance(rl.get("algorithm"), str):
-        return config
-    algorithm = {"type": rl["algorithm"]}
-    for name in ("gamma", "gae_lambda", "value_coef", "value_head_dim"):
-        if name in rl:
-            value = rl.pop(name)
-            if algorithm["type"] == "ppo":
-                algorithm[name] = value
-    return {**config, "rl": {**rl, "algorithm": algorithm}}
+    """An RL config saved by an earlier version in today's shape: ``rl.algorithm`` a name with PPO's options
+    beside it (now the algorithm's own), the sampler's options under ``rl`` (now ``rollout.sampler``), the
+    runner's under ``rollout`` (now ``rollout.runner``)."""
+    config = dict(config)
+    rl = dict(config.get("rl") or {})
+    rollout = dict(config.get("rollout") or {})
+    if isinstance(rl.get("algorithm"), str):
+        algorithm = {"type": rl["algorithm"]}
+        for name in ("gamma", "gae_lambda", "value_coef", "value_head_dim"):
+            if name in rl:
+                value = rl.pop(name)
+                if algorithm["type"] == "ppo":
+                    algorithm[name] = value
+        rl["algorithm"] = algorithm
+    if "noise_level" in rl or "sde_steps" in rl or not isinstance(rollout.get("sampler", {}), dict):
+        sampler = {"type": "sde"}
+        for name in ("noise_level", "sde_steps"):
+            rollout.pop(name, None)  # the run overwrote them with rl's
+            if name in rl:
+                sampler[name] = rl.pop(name)
+        rollout["sampler"] = sampler
+    runner = {new: rollout.pop(old) for old, new in RUNNER_OPTIONS.items() if old in rollout}
+    if runner:
+        rollout["runner"] = {**rollout.get("runner", {}), **runner}
+    if rl:
+        config["rl"] = rl
+    if rollout:
+        config["rollout"] = rollout
+    return config
 
 
 def saved_rl_config(checkpoint: Path) -> RLConfig:
@@ -115,7 +140,5 @@ def run_rl(cfg: RLConfig, progress: bool = True) -> Path:
         raise ConfigError("--tasks is empty: name the tasks or suites to train on")
     tasks = env_spec(cfg.env).resolve_tasks(cfg.tasks)
     checkpoint = resolve_checkpoint(cfg.checkpoint)
-    rollout = cfg.rollout
-    rollout.sampler, rollout.noise_level, rollout.sde_steps = "sde", cfg.rl.noise_level, cfg.rl.sde_steps
     train = train_config(cfg, tasks, policy_config(cfg, checkpoint))
     return Trainer(train, job=RLJob(cfg, checkpoint, tasks), progress=progress).fit()

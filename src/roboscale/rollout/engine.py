@@ -351,13 +351,13 @@ class _Pool:
         self.requests = launcher.channel()
         self.replies = [launcher.channel() for _ in range(cfg.workers)]
         self.inboxes = [launcher.channel() for _ in range(cfg.workers)]
-        device = launcher.device(cfg.device)
+        device = launcher.device(cfg.runner.device)
         serving = uses_servers(cfg, device)
         gpus = 1.0 if device.startswith("cuda") else 0.0  # what each process that predicts reserves (Ray)
         # a server shares the cores with the env workers (which render on the CPU): more threads than its share
         # only make them wait for each other
-        threads = inference_threads(cfg.inference_threads, cfg.servers + cfg.workers if serving else cfg.workers)
-        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler, cfg.noise_level, cfg.sde_steps)
+        threads = inference_threads(cfg.runner.threads, cfg.servers + cfg.workers if serving else cfg.workers)
+        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler)
         predictor = (RemoteSettings(cfg.server, read_key(cfg.server_api_key_file, "--rollout.server_api_key_file"))
                      if cfg.server else runner)
         self.servers: dict[str, Handle] = {}
@@ -367,7 +367,7 @@ class _Pool:
             for i in range(cfg.servers):
                 name = f"server{i}"
                 self.controls[name] = launcher.channel()
-                settings = ServerSettings(name, runner, cfg.max_batch_size, cfg.batch_timeout_ms)
+                settings = ServerSettings(name, runner, cfg.runner.max_batch_size, cfg.runner.batch_timeout_ms)
                 self.servers[name] = launcher.start(
                     run_server, (settings, self.requests, self.controls[name], self.replies, self.events),
                     name=f"rollout-{name}", cpus=1.0, gpus=gpus)
@@ -380,7 +380,7 @@ class _Pool:
                 setup.n_action_steps, setup.video_camera, setup.video_dir, spare_envs=cfg.spare_envs,
                 announce_groups=serving and cfg.servers == 1,
                 render_every_step=cfg.render == "every_step", local=None if serving else predictor,
-                max_batch_size=cfg.max_batch_size)
+                max_batch_size=cfg.runner.max_batch_size)
             self.workers[name] = launcher.start(
                 run_env_worker, (settings, self.inboxes[i], self.requests, self.replies[i], self.events),
                 name=f"rollout-{name}", cpus=cfg.worker_cpus, gpus=0.0 if serving else gpus / cfg.workers)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from roboscale.configs.rollout import SAMPLERS
+from roboscale.configs.rollout import ODESampler, Sampler, SDESampler
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.rollout.noise import chunk_noise, step_noise, stochastic_steps
 
@@ -81,20 +81,18 @@ class RunnerSettings:
     checkpoint: str
     device: str = "auto"
     threads: int = 1
-    sampler: str = "ode"
-    noise_level: float = 0.5
-    sde_steps: int = 0
+    sampler: Sampler = field(default_factory=ODESampler)
     rtc_schedule: str = "exp"
     """Real-time chunking: how the guidance weights of ``committed`` actions after the delay decay."""
     rtc_max_guidance: float = 5.0
     """Real-time chunking: the largest guidance weight (beta of the paper)."""
 
     def build(self) -> PolicyRunner:
-        return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.noise_level,
-                            self.sde_steps, self.rtc_schedule, self.rtc_max_guidance)
+        return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.rtc_schedule,
+                            self.rtc_max_guidance)
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, option: str = "--runner.device") -> str:
     """``auto`` as cuda where there is one, else cpu; a CUDA device this machine does not have is a ConfigError
     naming the option (torch's own failure is an AssertionError deep in the first ``.to``)."""
     import torch
@@ -105,8 +103,8 @@ def resolve_device(device: str) -> str:
         index = device.partition(":")[2]
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (index.isdigit() and int(index) >= count):
-            raise ConfigError(f"--device={device}: this machine has {count} CUDA devices (torch {torch.__version__}); "
-                              "use --device=cpu, or auto")
+            raise ConfigError(f"{option}={device}: this machine has {count} CUDA devices (torch {torch.__version__}); "
+                              f"use {option}=cpu, or auto")
     return device
 
 
@@ -117,19 +115,16 @@ def inference_threads(requested: int, processes_sharing: int) -> int:
 class PolicyRunner:
     """A policy loaded for inference (eval mode, fp32 on CPU) and the batching of observations into its input."""
 
-    def __init__(self, checkpoint: str, device: str = "auto", threads: int = 1, sampler: str = "ode",
-                 noise_level: float = 0.5, sde_steps: int = 0, rtc_schedule: str = "exp",
-                 rtc_max_guidance: float = 5.0):
+    def __init__(self, checkpoint: str, device: str = "auto", threads: int = 1, sampler: Sampler | None = None,
+                 rtc_schedule: str = "exp", rtc_max_guidance: float = 5.0):
         import torch
 
         from roboscale.models.policy import Policy
         from roboscale.models.rtc import SCHEDULES
 
-        if sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
         if rtc_schedule not in SCHEDULES:
             raise ValueError(f"rtc_schedule must be one of {list(SCHEDULES)}, got {rtc_schedule!r}")
-        self.sampler, self.noise_level, self.sde_steps = sampler, noise_level, sde_steps
+        self.sampler = sampler if sampler is not None else ODESampler()
         self.rtc_schedule, self.rtc_max_guidance = rtc_schedule, rtc_max_guidance
         self.version = 0
         torch.set_num_threads(threads)
@@ -195,7 +190,8 @@ class PolicyRunner:
 
         from roboscale.models.flow_matching import sampled_log_density
 
-        if self.sampler == "ode":
+        sampler = self.sampler
+        if not isinstance(sampler, SDESampler):
             return self._predict_ode(items)
         if any(it.committed is not None for it in items):
             raise ValueError("committed: real-time chunking is not supported by the sde sampler (use sampler=ode)")
@@ -203,12 +199,12 @@ class PolicyRunner:
         observation = self.batch(items)
         draws = torch.from_numpy(np.stack([step_noise(it.noise_seed, it.chunk_index, self.steps, self.noise_shape)
                                            for it in items]))
-        stochastic = np.stack([stochastic_steps(it.noise_seed, it.chunk_index, self.steps, self.sde_steps)
+        stochastic = np.stack([stochastic_steps(it.noise_seed, it.chunk_index, self.steps, sampler.sde_steps)
                                for it in items])
         stochastic = torch.from_numpy(stochastic)
-        actions, chains, values = self.policy.sample_action_chain(observation, noise, draws, self.noise_level,
+        actions, chains, values = self.policy.sample_action_chain(observation, noise, draws, sampler.noise_level,
                                                                   stochastic)
-        densities = sampled_log_density(draws, stochastic, self.steps, self.noise_level).numpy()
+        densities = sampled_log_density(draws, stochastic, self.steps, sampler.noise_level).numpy()
         values = [None] * len(items) if values is None else values.float().cpu().tolist()
         return [Prediction(chunk, chain, self.version, steps.numpy(), density, value)
                 for chunk, chain, steps, density, value in zip(actions.float().cpu().numpy(),

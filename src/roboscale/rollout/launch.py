@@ -40,7 +40,7 @@ class Launcher(Protocol):
     def channel(self) -> Channel: ...
 
     def device(self, requested: str) -> str:
-        """``--rollout.device`` resolved where the processes will run (``auto``: cuda if there is a GPU)."""
+        """``--rollout.runner.device`` resolved where the processes will run (``auto``: cuda if there is a GPU)."""
         ...
 
     def start(self, target: Callable[..., None], args: tuple, *, name: str, cpus: float = 1.0,
@@ -82,7 +82,7 @@ class LocalLauncher:
     def device(self, requested: str) -> str:
         from roboscale.rollout.inference import resolve_device
 
-        return resolve_device(requested)
+        return resolve_device(requested, "--rollout.runner.device")
 
     def channel(self) -> Channel:
         channel = self._context.Queue()

@@ -95,7 +95,7 @@ class PolicyServer:
             raise ConfigError(f"--host={cfg.host} listens beyond this machine: give --api_key_file (clients then "
                               "send 'Authorization: Api-Key KEY'), or serve on 127.0.0.1")
         checkpoint = resolve_checkpoint(cfg.checkpoint)
-        settings = RunnerSettings(str(checkpoint), cfg.device, inference_threads(cfg.threads, 1), "ode",
+        settings = RunnerSettings(str(checkpoint), cfg.runner.device, inference_threads(cfg.runner.threads, 1),
                                   rtc_schedule=cfg.rtc_schedule, rtc_max_guidance=cfg.rtc_max_guidance)
         self.runner = settings.build()  # a bad checkpoint fails here, before the port is opened
         policy_cfg = self.runner.policy.config
@@ -110,7 +110,8 @@ class PolicyServer:
             "policy_config": to_dict(policy_cfg), "n_action_steps": policy_cfg.n_action_steps,
             "keys": self.layout.describe(), "rtc": cfg.rtc, "device": str(self.runner.device),
         }
-        self.batcher = DynamicBatcher(self._predict, cfg.max_batch_size, cfg.batch_timeout_ms, producers=0)
+        self.batcher = DynamicBatcher(self._predict, cfg.runner.max_batch_size, cfg.runner.batch_timeout_ms,
+                                      producers=0)
         self.on_ready = on_ready
         self.address: tuple[str, int] | None = None
         self._numbers = itertools.count(1)

@@ -99,7 +99,7 @@ def main() -> None:
         stage("supervised training", ["train", f"--dataset.root={out / 'data'}", "--steps=400",
                                       f"--output_dir={out / 'sft'}"], out / "sft" / "checkpoints" / "last", timings)
         checkpoint = out / "sft"
-    common = ["rl", f"--checkpoint={checkpoint}", f"--tasks=[{args.tasks}]", f"--steps={args.steps}",
+    common = ["rl", f"--policy_path={checkpoint}", f"--tasks=[{args.tasks}]", f"--steps={args.steps}",
               f"--save_freq={args.steps}", f"--env={args.env}", *args.rl.split()]
     results = {}
     for name in args.modes.split(","):

@@ -104,8 +104,8 @@ def main() -> None:
         sys.exit(f"no task is below {args.weak_below:.0%} after supervised training: nothing for RL to lift")
     print(f"weak tasks (below {args.weak_below:.0%}): {', '.join(weak)}", flush=True)
     names = ",".join(task.removesuffix("-v3") for task in (weak if args.rl_tasks == "weak" else sorted(before)))
-    stage("RL post-training", ["rl", f"--checkpoint={out / 'sft'}", f"--tasks=[{names}]", f"--steps={args.rl_steps}",
-                               f"--save_freq={args.rl_save_freq}", "--checkpoints.keep_last=0", f"--output_dir={out / 'rl'}",
+    stage("RL post-training", ["rl", f"--policy_path={out / 'sft'}", f"--tasks=[{names}]", f"--steps={args.rl_steps}",
+                               f"--save_freq={args.rl_save_freq}", "--checkpoint.keep_last=0", f"--output_dir={out / 'rl'}",
                                *args.rl],
           out / "rl" / "checkpoints" / "last", timings)
     stage("evaluation after RL", ["eval", f"--checkpoint={out / 'rl'}", *evaluation,

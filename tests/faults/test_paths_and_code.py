@@ -208,7 +208,7 @@ def _rl_checkpoint_naming_code(out: Path, key: str, value: str) -> Path:
     from roboscale.config import to_dict
     from roboscale.configs.rl import RLConfig
 
-    cfg = to_dict(RLConfig(output_dir=str(out), checkpoint=str(out / "sft")))
+    cfg = to_dict(RLConfig(output_dir=str(out), policy_path=str(out / "sft")))
     section, _, name = key.rpartition(".")
     (cfg[section] if section else cfg)[name] = value
     state = out / "checkpoints" / "000001" / "training_state"

@@ -64,7 +64,7 @@ def test_the_staleness_bound_holds_and_is_logged(sft: Path, tmp_path: Path) -> N
 def test_an_async_run_killed_outright_resumes_to_the_sync_losses(sft: Path, sync_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
     args = ["--steps=4", *ASYNC, "--rl.max_staleness=0", "--save_freq=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--checkpoint={sft}", f"--output_dir={out}",
+    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--policy_path={sft}", f"--output_dir={out}",
                              *RL, *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -138,7 +138,7 @@ def test_a_run_killed_outright_at_staleness_above_zero_resumes_exactly(sft: Path
     with weights v4 where the uninterrupted one had used v3), and each rollout logged once."""
     out = tmp_path / "killed"
     args = ["--steps=5", *ASYNC, f"--rl.max_staleness={staleness}", "--save_freq=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--checkpoint={sft}", f"--output_dir={out}",
+    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--policy_path={sft}", f"--output_dir={out}",
                              *RL, *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

@@ -31,7 +31,7 @@ def _env() -> dict[str, str]:
 def _rl(sft: Path, out: Path, *extra: str, ranks: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
         if ranks > 1 else [sys.executable]
-    done = subprocess.run([*head, "-m", "roboscale", "rl", f"--checkpoint={sft}", f"--output_dir={out}", *RL, *extra],
+    done = subprocess.run([*head, "-m", "roboscale", "rl", f"--policy_path={sft}", f"--output_dir={out}", *RL, *extra],
                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -114,7 +114,7 @@ def test_two_fsdp_ranks_compute_the_one_process_losses(sft: Path, tmp_path: Path
 def test_a_run_killed_outright_resumes_to_the_uninterrupted_losses(sft: Path, tmp_path: Path) -> None:
     _rl(sft, tmp_path / "whole", "--steps=4", "--rollout.workers=1", "--save_freq=1")
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--checkpoint={sft}", f"--output_dir={out}",
+    proc = subprocess.Popen([sys.executable, "-m", "roboscale", "rl", f"--policy_path={sft}", f"--output_dir={out}",
                              *RL, "--steps=4", "--rollout.workers=1", "--save_freq=1"], env=_env(), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -134,7 +134,7 @@ def test_bad_options_are_one_line_before_anything_starts(sft: Path, tmp_path: Pa
                          (["--rl.group_size=1"], "--rl.group_size must be at least 2 for grpo"),
                          (["--tasks=[reachh]"], "unknown MetaWorld task 'reachh'"),
                          (["--rl.epochs=2", "--steps=3"], "--steps=3 is not a multiple of --rl.epochs=2")):
-        done = subprocess.run([sys.executable, "-m", "roboscale", "rl", f"--checkpoint={sft}",
+        done = subprocess.run([sys.executable, "-m", "roboscale", "rl", f"--policy_path={sft}",
                                f"--output_dir={tmp_path / 'bad'}", *RL, *args], env=_env(), cwd=ROOT,
                               capture_output=True, text=True, timeout=300, check=False)
         lines = done.stderr.strip().splitlines()

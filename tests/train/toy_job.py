@@ -103,6 +103,7 @@ class ToyJob:
 
     def __init__(self, dataset: Path, nan_at: frozenset[int] = frozenset()):
         self.dataset = dataset
+        self.batch_size = BATCH
         self.nan_at = nan_at
         self.publisher = Publisher()
         self.calls: list[dict[str, float]] = []  # each micro-batch's metrics, as the objective returned them

@@ -7,13 +7,19 @@ from typing import Any, ClassVar
 
 from roboscale.config import register_lazy
 from roboscale.configs.rollout import RolloutConfig, SDESampler
-from roboscale.configs.train import CheckpointConfig, EvalDuringTrainingConfig, OptimizerConfig, ParallelConfig
+from roboscale.configs.train import OptimizerConfig, TrainerConfig
 from roboscale.errors import ConfigError
 
 REWARDS = ("success", "shaped")
 MODES = ("sync", "async")
 SCHEDULES = ("exact", "bounded")
 PLACEMENTS = ("colocated", "disaggregated")
+REFUSED_TRAINER_OPTIONS = {
+    "grad_accum": "RL's micro-batches are its episode groups (one per group, as they finish); a step is one rollout",
+    "fp8": "not supported by `roboscale rl` yet (untried with its objective and its published weights)",
+    "compile": "not supported by `roboscale rl` yet (untried with its objective's denoising chains)",
+}
+"""The Trainer's options `roboscale rl` does not take, and why: given, they are refused (never ignored)."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +135,12 @@ class RLOptions:
 
 
 @dataclass
-class RLConfig:
+class RLConfig(TrainerConfig):
     """`roboscale rl`: post-train a supervised checkpoint with RL in the simulator; checkpoints that `roboscale
-    eval`, `export` and `report` take like any training run's."""
+    eval`, `export` and `report` take like any training run's. The Trainer's options are `roboscale train`'s
+    (TrainerConfig), with RL's defaults: a global batch is the episodes of one rollout (rl.*)."""
 
-    checkpoint: str = ""
+    policy_path: str = ""
     """The supervised policy to start from: a training output_dir (its last checkpoint), checkpoints/<step> or
     a pretrained_model directory."""
     env: str = "metaworld"
@@ -142,30 +149,6 @@ class RLConfig:
     """The simulator's own options (``--env_options.NAME=VALUE``; LIBERO: settle_steps)."""
     tasks: list[str] = field(default_factory=list)
     """Tasks or suites to train on."""
-    output_dir: str = "outputs/rl"
-    """Where checkpoints/, metrics.jsonl and tensorboard/ go."""
-    steps: int = 200
-    """Optimizer steps: every --rl.epochs of them roll out the episodes of one rollout (see rl.*) with the
-    current weights first."""
-    seed: int = 0
-    """Seed of the optimizer's and sampler's draws."""
-    save_freq: int = 25
-    """Save a checkpoint every this many steps (and at the end)."""
-    log_freq: int = 1
-    """Log metrics every this many steps."""
-    resume: bool = False
-    """Continue from <output_dir>/checkpoints/last exactly where it stopped."""
-    num_threads: int = 0
-    """torch CPU threads of the trainer (0: the machine's cores, shared with the rollout processes)."""
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5, warmup_steps=0,
-                                                                               min_lr_ratio=1.0))
-    """AdamW; RL's default is a small constant learning rate."""
-    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoint retention and background writes."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Data parallelism of the trainer (each rank rolls out its share of the step's episode groups)."""
-    precision: str = "fp32"
-    """fp32 | bf16 (training; rollouts run fp32 on the CPU)."""
     rl: RLOptions = field(default_factory=RLOptions)
     """The algorithm and the episodes of a step."""
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(workers=2, envs_per_worker=4,
@@ -173,15 +156,23 @@ class RLConfig:
     """Env workers and inference servers, and the stochastic sampler the episodes act with and the objective's
     likelihoods are computed by (--rollout.sampler.noise_level, sde_steps). Evaluation keeps the deterministic
     sampler."""
-    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
-    """Evaluation during training (deterministic sampler, --eval.seed's scenes)."""
+    # RL's defaults for the Trainer's options (their meaning is TrainerConfig's)
+    steps: int = 200
+    output_dir: str = "outputs/rl"
+    save_freq: int = 25
+    log_freq: int = 1
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5, warmup_steps=0,
+                                                                               min_lr_ratio=1.0))
+    """AdamW; RL's default is a small constant learning rate."""
 
     def __post_init__(self) -> None:
         if not self.rollout.sampler.stochastic:
             raise ConfigError(f"--rollout.sampler={self.rollout.sampler.type}: RL trains on the likelihoods of the "
                               "chunks it acted with, which only the stochastic sampler has (--rollout.sampler=sde)")
-        if self.steps <= 0 or self.save_freq <= 0 or self.log_freq <= 0:
-            raise ConfigError("--steps, --save_freq and --log_freq must be positive integers")
+        super().__post_init__()
+        for name, refused in REFUSED_TRAINER_OPTIONS.items():
+            if getattr(self, name) != getattr(TrainerConfig, name):
+                raise ConfigError(f"--{name}: {refused}")
         epochs = self.rl.epochs
         for name, value in (("steps", self.steps), ("save_freq", self.save_freq), ("eval.every", self.eval.every)):
             if value % epochs:

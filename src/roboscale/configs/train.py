@@ -161,42 +161,33 @@ class RayLaunchConfig:
 
 
 @dataclass
-class TrainConfig:
-    """`roboscale train`: train a policy on a LeRobot v3.0 dataset."""
+class TrainerConfig:
+    """The Trainer's options: its loop, optimizer, checkpoints, parallelism, precision and evaluation during
+    training. `roboscale train` and `roboscale rl` are both this plus what they train on (TrainConfig: a dataset
+    and a policy; RLConfig: a simulator, a supervised policy and RL's options)."""
 
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    """Which dataset to train on."""
-    policy: PolicyConfig = field(default_factory=default_policy_config)
-    """Policy type and architecture."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer and learning-rate schedule."""
     steps: int = 1700
     """Optimizer steps."""
-    batch_size: int = 64
-    """Samples per optimizer step, over all data-parallel ranks (the global batch; each rank takes
-    batch_size / ranks of it)."""
     seed: int = 0
     """Seed for initialization, shuffling and noise."""
     output_dir: str = "outputs/train/pi05"
     """Where checkpoints/ and tensorboard/ go."""
     save_freq: int = 500
     """Save a checkpoint every this many steps (and at the end)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoint retention."""
-    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
-    """Evaluation during training: results in evals.jsonl, metrics.jsonl and TensorBoard; checkpoints/best."""
     log_freq: int = 50
     """Log metrics every this many steps."""
     resume: bool = False
     """Continue from <output_dir>/checkpoints/last exactly where it stopped. Options not given are the
-    checkpoint's; steps, save_freq, log_freq, checkpoint.*, eval.*, num_threads and the loader's worker settings may
-    change, anything else that differs is refused."""
+    checkpoint's; steps, save_freq, log_freq, checkpoint.*, eval.*, num_threads and how the run is spread (the
+    loader's workers, ranks, parallel.*) may change, anything else that differs is refused."""
     num_threads: int = 0
     """torch CPU threads per rank (0: the cores of this machine divided among its ranks)."""
-    launcher: str = "local"
-    """local (this process, or the ranks torchrun started) | ray (Ray Train workers, see ray.*)."""
-    ray: RayLaunchConfig = field(default_factory=RayLaunchConfig)
-    """Ray Train launch (with --launcher=ray)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint retention and background writes."""
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
+    """Evaluation during training: results in evals.jsonl, metrics.jsonl and TensorBoard; checkpoints/best."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Data parallelism: DDP, FSDP2 or HSDP over the ranks."""
     precision: str = "fp32"
@@ -208,7 +199,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each block."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step: each rank's share of batch_size is split into this many."""
+    """Micro-batches per optimizer step: each rank's share of the global batch is split into this many."""
     ema_decay: float = 0.0
     """Keep an exponential moving average of the weights with this decay (0: off); checkpoints save it as the
     policy's weights."""
@@ -221,16 +212,39 @@ class TrainConfig:
     """Also log to Weights & Biases (when installed)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "save_freq", "log_freq", "grad_accum", "max_nonfinite_steps"):
+        for name in ("steps", "save_freq", "log_freq", "grad_accum", "max_nonfinite_steps"):
             value = getattr(self, name)
             if isinstance(value, int) and value <= 0:
                 raise ConfigError(f"--{name} must be a positive integer, got {value}")
         if self.num_threads < 0:
             raise ConfigError(f"--num_threads must be >= 0, got {self.num_threads}")
-        choices = {"launcher": ("local", "ray"), "precision": ("fp32", "bf16"),
-                   "activation_checkpointing": ("none", "full", "selective")}
+        choices = {"precision": ("fp32", "bf16"), "activation_checkpointing": ("none", "full", "selective")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"--ema_decay must be in [0, 1), got {self.ema_decay}")
+
+
+@dataclass
+class TrainConfig(TrainerConfig):
+    """`roboscale train`: train a policy on a LeRobot v3.0 dataset."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Which dataset to train on."""
+    policy: PolicyConfig = field(default_factory=default_policy_config)
+    """Policy type and architecture."""
+    batch_size: int = 64
+    """Samples per optimizer step, over all data-parallel ranks (the global batch; each rank takes
+    batch_size / ranks of it)."""
+    launcher: str = "local"
+    """local (this process, or the ranks torchrun started) | ray (Ray Train workers, see ray.*)."""
+    ray: RayLaunchConfig = field(default_factory=RayLaunchConfig)
+    """Ray Train launch (with --launcher=ray)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size <= 0:
+            raise ConfigError(f"--batch_size must be a positive integer, got {self.batch_size}")
+        if self.launcher not in ("local", "ray"):
+            raise ConfigError(f"--launcher must be one of local, ray, got {self.launcher!r}")

@@ -71,6 +71,8 @@ class RLJob:
 
     def __init__(self, cfg: RLConfig, checkpoint: Path, tasks: list[str]):
         self.cfg, self.checkpoint, self.tasks = cfg, checkpoint, tasks
+        self.batch_size = len(tasks) * cfg.rl.states_per_task * cfg.rl.group_size
+        """The global batch (``TrainingJob.batch_size``): the episodes of one rollout, which each step trains on."""
 
     def build_policy(self, trainer: Any, resumed: Any | None) -> Any:
         from roboscale.models.policy import Policy

@@ -1,10 +1,11 @@
 """`roboscale rl`: options, resume, and the Trainer run with the RL job.
 
-The Trainer takes a ``TrainConfig``; RL's own options map onto it (``train_config``): its global batch is the
-step's episodes, its checkpoints are RL's. The ``RLConfig`` itself travels in each checkpoint (the job's state
-entry, ``training_state/rl_state.json``), so that ``--resume=true`` continues with the options the run was
-started with; a resume may change only what does not change the run's trajectory (steps, logging, saving,
-retention, the rollout processes, evaluation during training, threads).
+``RLConfig`` is the Trainer's own options (``TrainerConfig``) plus RL's, handed to the Trainer as they are; the
+job (``rl/job.py``) says what a step trains on (its global batch: one rollout's episodes). The config travels in
+each checkpoint (the job's state entry, ``training_state/rl_state.json``), so that ``--resume=true`` continues
+with the options the run was started with; a resume may change only what does not change the run's trajectory
+(steps, logging, saving, retention, the rollout processes but not their sampler, evaluation during training,
+threads).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from typing import Any
 
 from roboscale.config import flat_options, from_dict, to_dict
 from roboscale.configs.rl import RLConfig
-from roboscale.configs.train import DatasetConfig, TrainConfig
 from roboscale.errors import CheckpointError, ConfigError
 from roboscale.utils.io import load_json
 
 PROG = "roboscale rl"
 # a copied run resumes where it now is (output_dir), as `train`'s does
-RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoints.", "num_threads", "resume", "rollout.",
+RESUMABLE_CHANGES = ("steps", "save_freq", "log_freq", "checkpoint.", "num_threads", "resume", "rollout.",
                      "eval.", "output_dir")
 TRAJECTORY_OPTIONS = ("rollout.sampler",)
 """Of the resumable prefixes' options, those that change what the episodes do (the sampler's draws)."""
@@ -30,6 +30,10 @@ def parse_rl_args(argv: list[str]) -> RLConfig:
     """``roboscale rl`` options; with ``--resume``, the options not given are the checkpoint's own."""
     from roboscale.train.resume import ResumableCommand, parse_resumable
 
+    for arg in argv:  # the option's name before the Trainer's checkpoint section took it (a clear error, not a type's)
+        if arg.startswith("--checkpoint=") and not arg.partition("=")[2].lstrip().startswith("{"):
+            raise ConfigError("--checkpoint: the policy to start from is --policy_path now (--checkpoint.* is the "
+                              "checkpoints' retention, as for `roboscale train`)")
     return parse_resumable(ResumableCommand(RLConfig, PROG, rl_state_file, saved_rl_config, _refuse_changes), argv)
 
 
@@ -59,8 +63,13 @@ RUNNER_OPTIONS = {"device": "device", "inference_threads": "threads", "max_batch
 def upgraded(config: dict[str, Any]) -> dict[str, Any]:
     """An RL config saved by an earlier version in today's shape: ``rl.algorithm`` a name with PPO's options
     beside it (now the algorithm's own), the sampler's options under ``rl`` (now ``rollout.sampler``), the
-    runner's under ``rollout`` (now ``rollout.runner``)."""
+    runner's under ``rollout`` (now ``rollout.runner``), the policy to start from ``checkpoint`` and the retention
+    ``checkpoints`` (now ``policy_path`` and the Trainer's ``checkpoint``)."""
     config = dict(config)
+    if isinstance(config.get("checkpoint"), str):
+        config["policy_path"] = config.pop("checkpoint")
+    if "checkpoints" in config:
+        config["checkpoint"] = config.pop("checkpoints")
     rl = dict(config.get("rl") or {})
     rollout = dict(config.get("rollout") or {})
     if isinstance(rl.get("algorithm"), str):
@@ -98,10 +107,6 @@ def saved_rl_config(checkpoint: Path) -> RLConfig:
         raise CheckpointError(path, f"damaged ({type(exc).__name__}: {exc})") from None
 
 
-def episodes_per_step(cfg: RLConfig, tasks: list[str]) -> int:
-    return len(tasks) * cfg.rl.states_per_task * cfg.rl.group_size
-
-
 def policy_config(cfg: RLConfig, checkpoint: Path) -> Any:
     """The trained policy's config: the checkpoint's, with the algorithm's critic (PPO's value head) where it has
     none. The one place that decides the critic."""
@@ -117,28 +122,18 @@ def policy_config(cfg: RLConfig, checkpoint: Path) -> Any:
         raise CheckpointError(checkpoint / CONFIG_NAME, str(exc)) from None
 
 
-def train_config(cfg: RLConfig, tasks: list[str], policy: Any) -> TrainConfig:
-    """The Trainer's options for this RL run: one global batch is the step's episodes."""
-    return TrainConfig(dataset=DatasetConfig(root=""), policy=policy, optimizer=cfg.optimizer, steps=cfg.steps,
-                       batch_size=episodes_per_step(cfg, tasks), seed=cfg.seed, output_dir=cfg.output_dir,
-                       save_freq=cfg.save_freq, checkpoint=cfg.checkpoints, eval=cfg.eval, log_freq=cfg.log_freq,
-                       resume=cfg.resume, num_threads=cfg.num_threads, parallel=cfg.parallel,
-                       precision=cfg.precision)
-
-
 def run_rl(cfg: RLConfig, progress: bool = True) -> Path:
-    """Post-train ``cfg.checkpoint`` and return the final checkpoint's ``pretrained_model``."""
+    """Post-train ``cfg.policy_path`` and return the final checkpoint's ``pretrained_model``."""
     from roboscale.models.policy import resolve_checkpoint
     from roboscale.rl.job import RLJob
     from roboscale.sim.env import env_spec
     from roboscale.train.trainer import Trainer
 
-    if not cfg.checkpoint:
-        raise ConfigError("--checkpoint is required: the supervised policy to start from (a training output_dir, "
+    if not cfg.policy_path:
+        raise ConfigError("--policy_path is required: the supervised policy to start from (a training output_dir, "
                           "checkpoints/<step> or pretrained_model)")
     if not cfg.tasks:
         raise ConfigError("--tasks is empty: name the tasks or suites to train on")
     tasks = env_spec(cfg.env).resolve_tasks(cfg.tasks)
-    checkpoint = resolve_checkpoint(cfg.checkpoint)
-    train = train_config(cfg, tasks, policy_config(cfg, checkpoint))
-    return Trainer(train, job=RLJob(cfg, checkpoint, tasks), progress=progress).fit()
+    checkpoint = resolve_checkpoint(cfg.policy_path)
+    return Trainer(cfg, job=RLJob(cfg, checkpoint, tasks), progress=progress).fit()

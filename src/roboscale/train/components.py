@@ -86,6 +86,10 @@ class TrainingComponents:
 
 
 class TrainingJob(Protocol):
+    batch_size: int
+    """Samples per optimizer step over all ranks (the global batch: what telemetry counts, what the ranks share):
+    ``--batch_size`` for supervised training, one rollout's episodes for RL."""
+
     def build_policy(self, trainer: Trainer, resumed: Policy | None) -> Policy:
         """The policy to train. ``resumed``: the checkpoint's policy (its weights are restored later, with the
         optimizer) when the run resumes, else None."""

@@ -28,15 +28,29 @@ log = logging.getLogger(__name__)
 
 
 class SupervisedJob:
-    """``cfg``: the trainer's config (the same object: the trainer fills ``cfg.policy`` from the built policy)."""
+    """``cfg``: the trainer's config (the same object: ``build_policy`` fills ``cfg.policy`` from the built policy,
+    which is what checkpoints record as the run's)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.batch_size = cfg.batch_size
         self.sources: list[Any] = []
         self.weights: list[float | None] = []
         self.meta: Any = None  # the sources' SourceMeta
 
     def build_policy(self, trainer: Trainer, resumed: Policy | None) -> Policy:
+        cfg = self.cfg
+        if trainer.resume_from is not None:  # the options this command may not change on a resume, each named
+            from roboscale.train.resume import check_resume, resuming, saved_config
+
+            with resuming(trainer.resume_from):
+                saved = saved_config(trainer.resume_from)
+            check_resume(saved, cfg, trainer.resume_from)
+        policy = self._policy(trainer, resumed)
+        cfg.policy = policy.config
+        return policy
+
+    def _policy(self, trainer: Trainer, resumed: Policy | None) -> Policy:
         from roboscale.data.loading.loader import check_sources
         from roboscale.data.loading.meta import source_meta
         from roboscale.models.registry import build_policy, fit_to_dataset

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from roboscale.config import save_yaml
-from roboscale.configs.train import OptimizerConfig, TrainConfig
+from roboscale.configs.train import OptimizerConfig, TrainConfig, TrainerConfig
 from roboscale.distributed.env import DistributedEnv, init_distributed
 from roboscale.errors import ConfigError, TrainingError
 from roboscale.train.components import (
@@ -49,7 +49,7 @@ from roboscale.train.components import (
     TrainingComponents,
     TrainingJob,
 )
-from roboscale.train.resume import check_resume, resume_checkpoint, resuming, saved_config
+from roboscale.train.resume import resume_checkpoint, resuming
 from roboscale.utils.io import exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,10 @@ def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False, jo
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, job: TrainingJob | None = None, *, progress: bool = True,
+    def __init__(self, cfg: TrainerConfig, job: TrainingJob | None = None, *, progress: bool = True,
                  restartable: bool = False, eval_command: Callable[[Path, Path], list[str]] | None = None):
-        """``job``: the policy, data, objective, hooks and extra state (default: ``SupervisedJob(cfg)``).
+        """``cfg``: the Trainer's options (a ``TrainConfig`` or ``RLConfig``: what the job trains on is the job's).
+        ``job``: the policy, data, objective, hooks and extra state (default: ``SupervisedJob(cfg)``).
         ``eval_command``: (checkpoint, report directory) -> the argv that evaluates a checkpoint during
         training (default: ``roboscale eval`` with the ``--eval.*`` options)."""
         if job is None:
@@ -120,7 +121,7 @@ class Trainer:
 
         cfg = self.cfg
         self.plan = resolve_plan(cfg.parallel, self.env)
-        check_parallel_options(cfg, self.plan)
+        check_parallel_options(self.job.batch_size, cfg.grad_accum, self.plan)
         check_eval_options(cfg)
         if self.restartable and not cfg.resume and (self.output_dir / "checkpoints" / "last").exists():
             # a warning: a rank or worker failed and the launcher retried; the user should see it happened
@@ -192,10 +193,6 @@ class Trainer:
 
         cfg = self.cfg
         resumed = None
-        if self.resume_from is not None:
-            with resuming(self.resume_from):
-                saved = saved_config(self.resume_from)
-            check_resume(saved, cfg, self.resume_from)
         self.seed()
         if self.resume_from is not None:  # its architecture and config; the weights come with the optimizer's
             from roboscale.models.policy import Policy
@@ -203,14 +200,13 @@ class Trainer:
             with resuming(self.resume_from):
                 resumed = Policy.from_pretrained(self.resume_from / "pretrained_model")
         self.policy = self.job.build_policy(self, resumed)
-        cfg.policy = self.policy.config  # what checkpoints record as the run's policy
         self.components = components = self.job.build(self)
         self.objective = components.objective
         self.loader = components.data
         self.hooks = list(components.hooks)
         check_state_names(components.state)
         self.stateful = {"trainer": self, "loader": components.data, **components.state}
-        self.telemetry = Telemetry(self.output_dir, cfg.batch_size, write=self.env.is_main,
+        self.telemetry = Telemetry(self.output_dir, self.job.batch_size, write=self.env.is_main,
                                    flops_per_sample=training_flops(self.policy) if components.counts_flops else None,
                                    peak=peak_flops(self.env.device, cfg.precision, cfg.fp8),
                                    ranks=self.env.world_size, wandb=cfg.wandb, config=cfg)
@@ -524,18 +520,19 @@ class Trainer:
         return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
 
-def check_parallel_options(cfg: TrainConfig, plan: Any) -> None:
-    """Options that cannot work with these ranks, named before anything is built."""
-    if cfg.batch_size % plan.dp_size:
-        raise ConfigError(f"--batch_size={cfg.batch_size} is not divisible by the {plan.dp_size} data-parallel ranks "
+def check_parallel_options(batch_size: int, grad_accum: int, plan: Any) -> None:
+    """Options that cannot work with these ranks, named before anything is built (``batch_size``: the job's
+    global batch)."""
+    if batch_size % plan.dp_size:
+        raise ConfigError(f"--batch_size={batch_size} is not divisible by the {plan.dp_size} data-parallel ranks "
                           f"(each rank takes an equal share of the global batch)")
-    share = cfg.batch_size // plan.dp_size
-    if cfg.grad_accum > share:
-        raise ConfigError(f"--grad_accum={cfg.grad_accum} exceeds each rank's {share} samples of --batch_size="
-                          f"{cfg.batch_size}")
+    share = batch_size // plan.dp_size
+    if grad_accum > share:
+        raise ConfigError(f"--grad_accum={grad_accum} exceeds each rank's {share} samples of --batch_size="
+                          f"{batch_size}")
 
 
-def check_eval_options(cfg: TrainConfig) -> None:
+def check_eval_options(cfg: TrainerConfig) -> None:
     """--eval.*: the environment and tasks of the evaluations during training, named before anything is built
     (each evaluation would otherwise fail and only be recorded, while training went on unevaluated)."""
     if not cfg.eval.every:

@@ -32,7 +32,7 @@ from roboscale.configs.rollout import RolloutConfig, RunnerConfig
 from roboscale.models.registry import build_policy, preset_config
 from roboscale.rollout.engine import EnvSetup, RolloutEngine, RolloutStats
 from roboscale.rollout.episode import EpisodeJob
-from roboscale.sim.env import EnvSpec, env_spec, episode_seed
+from roboscale.sim.env import EnvRequest, EnvSpec, env_spec, episode_seed
 from roboscale.sim.experts import expert_spec
 
 
@@ -63,8 +63,8 @@ def designs(workers: int, envs: int) -> list[tuple[str, RolloutConfig]]:
         ("baseline: policy per worker, batch of one", RolloutConfig(**local, envs_per_worker=1,
                                                                     render="every_step")),
         ("baseline + render on demand", RolloutConfig(**local, envs_per_worker=1)),
-        ("server, 2 sub-batches, 5 ms (defaults)", RolloutConfig(**server, sub_batches=2,
-                                                                  runner=RunnerConfig(max_batch_size=32, batch_timeout_ms=5))),
+        ("server, 2 sub-batches, 5 ms (defaults)", RolloutConfig(
+            **server, sub_batches=2, runner=RunnerConfig(max_batch_size=32, batch_timeout_ms=5))),
         # one request per worker; the batch waits for every worker that has episodes (the producers rule), so the
         # workers step together while the server waits, and wait while it predicts (with both cores: 2 threads)
         ("server, 1 sub-batch, 200 ms", RolloutConfig(**server, sub_batches=1,
@@ -108,8 +108,8 @@ def main() -> None:
         policy_cfg = Policy.from_pretrained(checkpoint).config
         cameras = spec.sim_cameras([key.removeprefix("observation.images.") for key in policy_cfg.image_keys])
         setup = EnvSetup(args.env, str(checkpoint), policy_cfg.n_action_steps,
-                         {"image_size": policy_cfg.image_size, "cameras": cameras, "max_steps": args.max_steps,
-                          "options": spec.parse_options({})})
+                         EnvRequest(image_size=policy_cfg.image_size, cameras=cameras, max_steps=args.max_steps,
+                                    options=spec.parse_options({})))
         jobs = [EpisodeJob(t, i, episode_seed(1000, t, i)) for t in tasks for i in range(args.episodes)]
         print(f"{spec.name}: {len(jobs)} episodes ({', '.join(tasks)}), max {args.max_steps} steps, pi0.5 "
               f"{args.policy_preset} ({policy_cfg.image_size}², {len(cameras)} cameras, chunk {policy_cfg.chunk_size}, "
@@ -151,14 +151,14 @@ def main() -> None:
                   f"{warm.mean_batch_size:.1f} | {cold.envs_made}, {warm.envs_made} | "
                   f"{cpu[0]:.1f} + {cpu[1]:.1f} | "
                   f"{100 * warm.worker_wait_s / wall:.0f}% | "
-                  f"{f'{100 * warm.server_idle_s / warm.wall_s:.0f}%' if serving else '-'} | "
+                  f"{f'{100 * warm.batching.idle_s / warm.wall_s:.0f}%' if serving else '-'} | "
                   f"{'yes' if same[name] else 'NO'} |")
         print()
         for name, cfg in runs:
             warm = last[name][1]
             if cfg.inference == "server":
-                print(f"{name}: batch sizes {dict(sorted(warm.batch_sizes.items()))}, went because "
-                      f"{dict(warm.batch_reasons)}; server held requests back {warm.batch_fill_s:.1f} s of "
+                print(f"{name}: batch sizes {dict(sorted(warm.batching.sizes.items()))}, went because "
+                      f"{dict(warm.batching.reasons)}; server held requests back {warm.batching.fill_s:.1f} s of "
                       f"{warm.wall_s:.1f} s")
         print(load())
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from roboscale.sim.env import env_spec, episode_seed
+from roboscale.sim.env import EnvRequest, env_spec, episode_seed
 from roboscale.sim.experts import expert_spec, run_expert_episode
 from roboscale.utils.stats import wilson_interval
 
@@ -31,7 +31,7 @@ def main() -> None:
     rates = []
     start = time.perf_counter()
     for task in spec.resolve_tasks(args.tasks):
-        env = spec.make(task, image_size=16, cameras={}, max_steps=args.max_steps, options=spec.parse_options({}))
+        env = spec.make(task, EnvRequest(image_size=16, max_steps=args.max_steps, options=spec.parse_options({})))
         try:
             episodes = [run_expert_episode(env, experts, episode_seed(args.seed, task, i), 0.0, 0, scene=i)
                         for i in range(args.episodes)]

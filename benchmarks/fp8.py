@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from packing import Shape, bench_config, layouts, make_samples, measure  # noqa: E402
 
-from roboscale.models.flow_matching import flow_matching_loss  # noqa: E402
+from roboscale.models.objective import flow_matching_loss  # noqa: E402
 from roboscale.models.groot.modeling import GrootPolicy  # noqa: E402
 from roboscale.models.groot.transform import TOKENS, TOKENS_MASK  # noqa: E402
 from roboscale.models.pi05.modeling import Pi05Policy  # noqa: E402

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from roboscale.batching import PackedBatch
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.pi05.layout import PrefixSpec, TokenizedSample, collate
 from roboscale.models.pi05.modeling import Pi05Policy

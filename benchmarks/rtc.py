@@ -35,7 +35,7 @@ from rl_closed_loop import rate, stage  # the sibling benchmark's stages (this d
 
 from roboscale.models.policy import resolve_checkpoint
 from roboscale.rollout.inference import PolicyRunner, PredictItem
-from roboscale.rollout.setup import policy_env_options
+from roboscale.rollout.setup import policy_env_request
 from roboscale.sim.env import Env, env_spec, episode_seed
 
 MODES = ("naive", "rtc")
@@ -166,13 +166,13 @@ def main() -> None:
         raise SystemExit(f"--delay {args.delay} and --execute {execute} do not fit a chunk of {horizon}: a chunk "
                          "serves delay + execute + delay actions")
     spec = env_spec("metaworld")
-    options = policy_env_options(spec, config, checkpoint, args.max_steps)
+    request = policy_env_request(spec, config, checkpoint, args.max_steps)
     tasks = spec.resolve_tasks([args.tasks])
 
     episodes: dict[str, list[Episode]] = {mode: [] for mode in MODES}
     start = time.perf_counter()
     for task in tasks:
-        env = spec.make(task, **options)
+        env = spec.make(task, request)
         try:
             for i in range(args.episodes):
                 seed = episode_seed(args.seed, task, i)
@@ -184,7 +184,7 @@ def main() -> None:
                                       f"/{args.episodes}" for mode in MODES), flush=True)
     episodes_s = time.perf_counter() - start
 
-    env = spec.make(tasks[0], **options)
+    env = spec.make(tasks[0], request)
     observation, instruction = env.reset(episode_seed(args.seed, tasks[0], 0)), env.instruction
     env.close()
     probe = PredictItem(0, 0, 0, instruction, observation["state"], observation["images"])

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from eval import demo_checkpoint  # noqa: E402
 
 from roboscale.rollout.inference import PredictItem, RunnerSettings  # noqa: E402
-from roboscale.rollout.wire import pack, unpack  # noqa: E402
 from roboscale.sim.env import env_spec  # noqa: E402
+from roboscale.transport.wire import pack, unpack  # noqa: E402
 
 CLIENTS = (1, 4, 16)
 ROBOT_HZ, ROBOT_CHUNK = 50, 50
@@ -80,8 +80,8 @@ def in_process(checkpoint: Path, device: str, threads: int, clients: int, second
 
 def start_server(checkpoint: Path, device: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0", f"--runner.device={device}",
-         f"--runner.threads={threads}", f"--runner.max_batch_size={max_batch}"],
+        [sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0",
+         f"--runner.device={device}", f"--runner.threads={threads}", f"--runner.max_batch_size={max_batch}"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "ROBOSCALE_LOG": "WARNING"})
     line = process.stdout.readline()

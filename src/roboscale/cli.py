@@ -1,4 +1,8 @@
-"""`roboscale data|train|eval|demo`: parse a typed config, call one function."""
+"""The `roboscale` command line: one ``Command`` per verb (``COMMANDS``: data, model, lake, train, rl, export,
+eval, serve, report, plan, demo), each parsing its typed config (``roboscale.configs``) and calling one library
+function. Errors a user can act on (``RoboscaleError``) are one line and an exit code (2: a bad option, 1: the
+data or a run failed); Ctrl-C and SIGTERM end every process a command started. Every option a command lists in
+``--help`` is read by it or refused (``tests/test_options.py``)."""
 
 from __future__ import annotations
 
@@ -122,7 +126,7 @@ def _lake_verify(argv: list[str]) -> None:
 
 def _train(argv: list[str]) -> None:
     from roboscale.train.resume import parse_train_args
-    from roboscale.train.trainer import train
+    from roboscale.train.supervised import train
 
     # `--skip-bad-episodes`: the spelling users know from dataset tools, for --dataset.skip_bad_episodes=true
     argv = ["--dataset.skip_bad_episodes=true" if a == "--skip-bad-episodes" else a for a in argv]
@@ -163,7 +167,7 @@ def _eval(argv: list[str]) -> None:
 def _serve(argv: list[str]) -> None:
     from roboscale.config import parse
     from roboscale.configs.serve import ServeConfig
-    from roboscale.serve.server import serve_policy
+    from roboscale.serve.command import serve_policy
 
     serve_policy(parse(ServeConfig, argv, prog="roboscale serve"))
 

@@ -26,6 +26,7 @@ from roboscale.eval.closed_loop import evaluate
 from roboscale.eval.report import load_report, protocol_of, success_table
 from roboscale.eval.run_report import eval_records
 from roboscale.sim.experts import generate_dataset
+from roboscale.train.supervised import SupervisedJob
 from roboscale.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     log.info("3/5 training for %d steps, then 4/5: the run evaluates its final checkpoint", cfg.train.steps)
     if (out / "train" / "checkpoints").exists():
         cfg.train.resume = True  # a re-run of the demo continues (or reuses) its own training
-    checkpoint = Trainer(cfg.train, eval_command=_evaluated_by_the_run(cfg, out / "eval_config.yaml")).fit()
+    checkpoint = Trainer(cfg.train, SupervisedJob(cfg.train),
+                         eval_command=_evaluated_by_the_run(cfg, out / "eval_config.yaml")).fit()
     after = _final_evaluation(Path(cfg.train.output_dir), checkpoint, cfg.eval)
     timings["eval_trained_s"] = after["eval_seconds"]
     timings["train_s"] = max(0.0, time.perf_counter() - start - after["eval_seconds"])

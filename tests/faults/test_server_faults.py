@@ -23,7 +23,7 @@ from websockets.sync.client import connect
 from roboscale.configs.rollout import RunnerConfig
 from roboscale.configs.serve import ServeConfig
 from roboscale.errors import ConfigError
-from roboscale.serve.server import PolicyServer
+from roboscale.serve.command import build_server
 from tests.models.helpers import tiny_policy
 from tests.serve.conftest import checkpoint, observation, served  # noqa: F401 (checkpoint: a fixture)
 from tests.serve.test_server import TIMEOUT_S, ask, client
@@ -81,7 +81,7 @@ import time
 import msgpack
 from websockets.sync.client import connect
 
-from roboscale.rollout.wire import pack
+from roboscale.transport.wire import pack
 from tests.serve.conftest import observation
 
 size = int(sys.argv[3])  # the largest message the server takes: the worst a client can send within the limit
@@ -128,7 +128,8 @@ def test_a_hostile_client_does_not_stall_another_robot(checkpoint) -> None:
     measured client are three processes, as on a robot's network."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     server = subprocess.Popen([sys.executable, "-m", "roboscale", "serve", f"--checkpoint={checkpoint}", "--port=0",
-                               "--runner.threads=1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                               "--runner.threads=1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=env)
     attacker = None
     try:
         line = server.stdout.readline()
@@ -173,10 +174,10 @@ def test_a_port_in_use_and_a_missing_cuda_device_are_one_line_errors(checkpoint)
     port = taken.getsockname()[1]
     try:
         with pytest.raises(ConfigError, match=rf"^--port={port}: already in use on 127.0.0.1"):
-            PolicyServer(ServeConfig(checkpoint=checkpoint, port=port)).run()
+            build_server(ServeConfig(checkpoint=checkpoint, port=port)).run()
     finally:
         taken.close()
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: --runner.device=cuda is valid here")
     with pytest.raises(ConfigError, match=r"^--runner.device=cuda: this machine has 0 CUDA devices"):
-        PolicyServer(ServeConfig(checkpoint=checkpoint, runner=RunnerConfig(device="cuda")))
+        build_server(ServeConfig(checkpoint=checkpoint, runner=RunnerConfig(device="cuda")))

@@ -15,7 +15,7 @@ from roboscale.data.loading.source import open_source
 from roboscale.errors import ConfigError
 from roboscale.models.config import PolicyConfig
 from roboscale.models.finetune import policy_for_finetuning
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.groot.config import GrootConfig
 from roboscale.models.normalize import Normalizer
 from roboscale.models.pi05.config import Pi05Config

@@ -5,7 +5,7 @@ import torch
 
 from roboscale.config import ConfigError
 from roboscale.errors import CheckpointError
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.groot.config import GrootConfig
 from roboscale.models.groot.modeling import GrootPolicy, layout_of
 from roboscale.models.groot.vlm import VLLayout

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 
 from roboscale.errors import CheckpointError
 from roboscale.models.policy import Policy

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from roboscale.errors import CheckpointError, ConfigError
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.pi05.lerobot import (
     from_lerobot,
     load_lerobot_pi05,

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 
 from roboscale.batching import PackedBatch
 from roboscale.models.pi05.layout import PackCollate, collate

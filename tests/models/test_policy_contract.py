@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.registry import SPECS
 from tests.models.helpers import batch, tiny_policy
 from tests.models.test_groot import tiny_groot

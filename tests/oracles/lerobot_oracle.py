@@ -105,7 +105,8 @@ def agreement(directory: Path, policy=None) -> dict[str, float]:
     """What ours computes for LeRobot's model in ``directory`` against what LeRobot computed (``build``): relative
     errors of the action chunk (all cameras; one camera slot left out), the loss and its elements (LeRobot's noise
     and time), the largest difference of the normalized state, and 1.0 / 0.0 for prompts and token ids equal."""
-    from roboscale.models.flow_matching import FlowMatching, flow_matching_loss
+    from roboscale.models.flow_matching import FlowMatching
+    from roboscale.models.objective import flow_matching_loss
     from roboscale.models.pi05.transform import state_prompt
 
     record, meta = read_oracle(directory)

@@ -10,8 +10,8 @@ import torch
 from roboscale.configs.rl import RLOptions
 from roboscale.configs.rollout import SDESampler
 from roboscale.models.flow_matching import sampled_log_density
+from roboscale.rl.batching import chunk_batches
 from roboscale.rl.objective import PolicyGradientLoss
-from roboscale.rl.rollouts import chunk_batches
 from roboscale.rollout.trajectory import ChunkRecord, Trajectory
 from tests.models.helpers import CAMERAS, tiny_policy
 

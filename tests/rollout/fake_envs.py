@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from roboscale.errors import ConfigError
-from roboscale.sim.env import EnvSpec, Step
+from roboscale.sim.env import EnvRequest, EnvSpec, Step
 
 TASKS = {"reach": "Reach the goal", "reach-far": "Reach the far goal", "crash-once": "Reach, crashing once",
          "hang-once": "Reach, hanging once", "raise-always": "Reach, raising always", "broken-camera": "No camera"}
@@ -85,5 +85,9 @@ def resolve(names) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-SPEC = EnvSpec("fake-point", PointEnv, resolve, TASKS.__getitem__,
+def make_point_env(task: str, request: EnvRequest) -> PointEnv:
+    return PointEnv(task, request.image_size, request.cameras, request.max_steps or 30, request.state_feature)
+
+
+SPEC = EnvSpec("fake-point", make_point_env, resolve, TASKS.__getitem__,
                camera_aliases={"corner2": "corner2", "wrist": "wrist"})

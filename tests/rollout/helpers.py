@@ -7,6 +7,7 @@ from collections import Counter
 from roboscale.rollout.engine import EnvSetup
 from roboscale.rollout.episode import EpisodeJob
 from roboscale.rollout.launch import LocalLauncher
+from roboscale.sim.env import EnvRequest
 
 FAKE = "tests.rollout.fake_envs:SPEC"
 
@@ -14,7 +15,7 @@ FAKE = "tests.rollout.fake_envs:SPEC"
 def setup_for(checkpoint: str, max_steps: int = 24) -> EnvSetup:
     cams = {"corner2": "corner2", "wrist": "wrist"}
     return EnvSetup(FAKE, checkpoint, n_action_steps=3,
-                    env_options={"image_size": 32, "cameras": cams, "max_steps": max_steps})
+                    request=EnvRequest(image_size=32, cameras=cams, max_steps=max_steps))
 
 
 def jobs_for(tasks: list[str], episodes: int, **options) -> list[EpisodeJob]:

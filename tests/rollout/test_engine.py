@@ -39,7 +39,8 @@ def test_batched_and_unbatched_inference_give_the_same_episodes(checkpoint):
     alone, _ = RolloutEngine(RolloutConfig(workers=1, envs_per_worker=1, inference="worker"),
                              setup_for(checkpoint)).run(jobs)
     batched, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=3, inference="server",
-                                                 runner=RunnerConfig(max_batch_size=8, batch_timeout_ms=20)), setup_for(checkpoint)).run(jobs)
+                                                 runner=RunnerConfig(max_batch_size=8, batch_timeout_ms=20)),
+                                   setup_for(checkpoint)).run(jobs)
     assert outcomes(alone) == outcomes(batched)
     np.testing.assert_allclose([r.sum_reward for r in alone], [r.sum_reward for r in batched], rtol=1e-5)
     assert stats.mean_batch_size > 1.5  # it did batch
@@ -58,11 +59,11 @@ def test_a_batch_goes_as_soon_as_every_group_with_episodes_has_asked(checkpoint)
     the workers' credits (dealt to every worker, not all to the first)."""
     start = time.monotonic()
     results, stats = RolloutEngine(RolloutConfig(workers=2, envs_per_worker=2, sub_batches=1, inference="server",
-                                                 runner=RunnerConfig(batch_timeout_ms=60_000)), setup_for(checkpoint)).run(
-        jobs_for(["reach", "reach-far"], 3))
+                                                 runner=RunnerConfig(batch_timeout_ms=60_000)),
+                                   setup_for(checkpoint)).run(jobs_for(["reach", "reach-far"], 3))
     assert time.monotonic() - start < 60
-    assert set(stats.batch_reasons) == {"all_waiting"} and stats.inference_calls > 0
-    assert stats.batch_sizes[4] > 0  # both workers' requests in one batch
+    assert set(stats.batching.reasons) == {"all_waiting"} and stats.inference_calls > 0
+    assert stats.batching.sizes[4] > 0  # both workers' requests in one batch
 
 
 def test_jobs_are_dealt_in_turns_over_their_tasks_each_task_in_its_order():

@@ -1,4 +1,5 @@
-"""A policy server on a free loopback port, run in a thread of the test process (``served``)."""
+"""A policy server on a free loopback port, run in a thread of the test process: `roboscale serve`'s (``served``), or
+any ``PolicyServer`` (``running``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from roboscale.configs.serve import ServeConfig
+from roboscale.serve.command import build_server
 from roboscale.serve.server import PolicyServer
 from tests.models.helpers import tiny_policy
 
@@ -23,10 +25,18 @@ def checkpoint(tmp_path_factory) -> str:
 
 @contextlib.contextmanager
 def served(**options) -> Iterator[tuple[PolicyServer, str]]:
-    """A running ``PolicyServer(ServeConfig(port=0, **options))`` and its ws:// URL; stopped (and its thread
+    """A running ``build_server(ServeConfig(port=0, **options))`` and its ws:// URL; stopped (and its thread
+    joined) on exit."""
+    with running(build_server(ServeConfig(port=0, **options))) as (server, url):
+        yield server, url
+
+
+@contextlib.contextmanager
+def running(server: PolicyServer) -> Iterator[tuple[PolicyServer, str]]:
+    """``server`` (built on this thread) running in a thread of its own, and its ws:// URL; stopped (and the thread
     joined) on exit."""
     ready = threading.Event()
-    server = PolicyServer(ServeConfig(port=0, **options), on_ready=lambda host, port: ready.set())
+    server.on_ready = lambda host, port: ready.set()
     errors: list[BaseException] = []
 
     def run() -> None:

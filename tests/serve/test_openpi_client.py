@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from roboscale.rollout.wire import pack, unpack
+from roboscale.transport.wire import pack, unpack
 from tests.serve.conftest import served
 
 OPENPI_PYTHON = Path(os.environ.get("ROBOSCALE_OPENPI_PYTHON",
@@ -72,7 +72,8 @@ def test_openpis_websocket_client_and_chunk_broker_drive_the_server(openpi_pytho
             ws.send(pack({"observation/image": both[0], "observation/wrist_image": both[1],
                           "observation/state": np.load(state), "prompt": "Open a drawer", "seed": 3}))
             ours = unpack(ws.recv())["actions"]
-    assert out["policy"] == "pi05" and out["keys"] == {"corner2": "observation/image", "wrist": "observation/wrist_image"}
+    assert out["policy"] == "pi05"
+    assert out["keys"] == {"corner2": "observation/image", "wrist": "observation/wrist_image"}
     np.testing.assert_array_equal(np.asarray(out["actions"], dtype=np.float32), ours)
     assert out["timing"] == ["batch_size", "infer_ms", "total_ms"]
     assert out["error"].startswith("Error in inference server:\nerror: 'observation/state' has 9 values")

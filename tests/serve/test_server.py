@@ -24,8 +24,8 @@ from roboscale.configs.rollout import RunnerConfig
 from roboscale.configs.serve import ServeConfig
 from roboscale.errors import ConfigError
 from roboscale.rollout.inference import PredictItem, RunnerSettings
-from roboscale.rollout.wire import pack, unpack
-from roboscale.serve.server import PolicyServer
+from roboscale.serve.command import build_server
+from roboscale.transport.wire import pack, unpack
 from roboscale.utils.images import resize_with_pad
 from tests.serve.conftest import observation, served
 
@@ -205,14 +205,14 @@ def test_a_client_that_stalls_mid_message_or_vanishes_mid_request_blocks_nobody(
 def test_in_flight_requests_are_answered_before_a_shutdown_closes_the_connections(checkpoint):
     with served(checkpoint=checkpoint) as (server, url):
         entered, release = threading.Event(), threading.Event()
-        predict = server.runner.predict
+        predict = server.predictor.predict
 
         def held_predict(items):
             entered.set()
             assert release.wait(TIMEOUT_S)
             return predict(items)
 
-        server.runner.predict = held_predict
+        server.predictor.predict = held_predict
         ws, _ = client(url)
         ws.send(pack(observation()))
         assert entered.wait(TIMEOUT_S)
@@ -242,10 +242,10 @@ def test_only_loopback_without_a_key(checkpoint, tmp_path):
     assert ServeConfig().host == "127.0.0.1"
     for host in ("0.0.0.0", "192.168.1.5", "robot-gpu.local"):  # refused before the checkpoint is even read
         with pytest.raises(ConfigError, match=f"--host={host} listens beyond this machine: give --api_key_file"):
-            PolicyServer(ServeConfig(checkpoint=str(tmp_path / "missing"), host=host))
+            build_server(ServeConfig(checkpoint=str(tmp_path / "missing"), host=host))
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ConfigError, match="--api_key_file: .*empty"):
-        PolicyServer(ServeConfig(checkpoint=checkpoint, host="0.0.0.0", api_key_file=str(tmp_path / "empty.txt")))
+        build_server(ServeConfig(checkpoint=checkpoint, host="0.0.0.0", api_key_file=str(tmp_path / "empty.txt")))
     with served(checkpoint=checkpoint) as (server, _):
         assert server.address[0] == "127.0.0.1"
 
@@ -272,7 +272,7 @@ def test_openpis_example_client_keys_and_a_free_mapping(checkpoint):
             assert np.array_equal(ask(ws, mapped)["actions"], chunk)
             assert "'arm+gripper' has 5 values" in ask(ws, {**mapped, "gripper": np.zeros(2, np.float32)})
     with pytest.raises(ConfigError, match="--key_map: 'observation.images.top' is not an input of this policy"):
-        PolicyServer(ServeConfig(checkpoint=checkpoint, key_map={"observation.images.top": "x"}))
+        build_server(ServeConfig(checkpoint=checkpoint, key_map={"observation.images.top": "x"}))
 
 
 def test_the_health_check_and_a_sigterm_of_the_command(checkpoint, tmp_path):

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from roboscale.rollout.wire import WireError, pack, unpack
+from roboscale.transport.wire import WireError, pack, unpack
 
 
 def _array_map(data: bytes, dtype: str, shape: list) -> bytes:

@@ -18,7 +18,8 @@ from roboscale.errors import CheckpointError, TrainingError
 from roboscale.train.checkpoint import check_state_names
 from roboscale.train.components import DataSource, TrainingComponents
 from roboscale.train.reduction import StepMetrics
-from roboscale.train.trainer import Trainer, train
+from roboscale.train.supervised import train
+from roboscale.train.trainer import Trainer
 
 from .toy_job import BATCH, Publisher, ToyJob, toy_config
 

@@ -18,6 +18,7 @@ import pytest
 from roboscale.configs.train import EvalDuringTrainingConfig
 from roboscale.train.checkpoint import point_best, prune_checkpoints, step_directories
 from roboscale.train.evaluation import EvaluationScheduler, eval_command, read_evals, read_report
+from roboscale.train.supervised import SupervisedJob
 from roboscale.train.telemetry import Telemetry
 from roboscale.train.trainer import Trainer
 from tests.train.test_trainer import tiny_train_config
@@ -48,6 +49,11 @@ report = {"overall": {"success_rate": rate, "episodes": 4},
           "per_task": {"reach-v3": {"success_rate": rate, "episodes": 4}}}
 (out / "report.json").write_text(json.dumps(report))
 """
+
+
+def supervised_trainer(cfg, **options):
+    """The Trainer of `roboscale train` (its supervised job), with ``options`` (an evaluation command of its own)."""
+    return Trainer(cfg, SupervisedJob(cfg), **options)
 
 
 def fake_eval(control: Path):
@@ -266,10 +272,10 @@ def test_an_unknown_eval_task_is_refused_before_training_starts(tiny_dataset, tm
     cfg = eval_config(tiny_dataset, out, steps=2)
     cfg.eval.tasks = ["reach", "reachh"]
     with pytest.raises(ConfigError, match="--eval.tasks: unknown MetaWorld task 'reachh'"):
-        Trainer(cfg, progress=False).fit()
+        supervised_trainer(cfg, progress=False).fit()
     cfg.eval.tasks, cfg.eval.env_options = ["reach"], {"settle_steps": 3}
     with pytest.raises(ConfigError, match=r"--eval.env_options: the metaworld environment takes no options"):
-        Trainer(cfg, progress=False).fit()
+        supervised_trainer(cfg, progress=False).fit()
     assert not (out / "checkpoints").exists()
 
 
@@ -293,7 +299,7 @@ def test_training_goes_on_while_a_checkpoint_is_evaluated(tiny_dataset, tmp_path
         return saved
 
     monkeypatch.setattr(Trainer, "checkpoint", spy)
-    final = Trainer(cfg, progress=False, eval_command=fake_eval(control)).fit()
+    final = supervised_trainer(cfg, progress=False, eval_command=fake_eval(control)).fit()
     assert final.parent.name == "000006"
     assert seen[3] == (2, None, ["000002", "000003"])
     assert seen[4] == (2, 4, ["000002", "000004"])
@@ -314,7 +320,7 @@ def test_a_failed_evaluation_is_recorded_and_training_ends_normally(tiny_dataset
     out = tmp_path / "run"
     control = control_dir(tmp_path, {2: None, 4: 0.5})
     with caplog.at_level("WARNING", logger="roboscale.train.evaluation"):
-        final = Trainer(eval_config(tiny_dataset, out, steps=4), progress=False, eval_command=fake_eval(control)).fit()
+        final = supervised_trainer(eval_config(tiny_dataset, out, steps=4), progress=False, eval_command=fake_eval(control)).fit()
     assert final.parent.name == "000004"
     failed, passed = read_evals(out / "evals.jsonl")
     assert failed["step"] == 2 and failed["error"] == "exit code 1: error: the simulator crashed"
@@ -328,12 +334,12 @@ def test_a_failed_evaluation_is_recorded_and_training_ends_normally(tiny_dataset
 def test_a_resumed_run_does_not_redo_evaluations_and_keeps_best(tiny_dataset, tmp_path):
     out = tmp_path / "run"
     control = control_dir(tmp_path, {2: 0.5, 4: 0.25, 6: 0.5})
-    Trainer(eval_config(tiny_dataset, out, steps=4), progress=False, eval_command=fake_eval(control)).fit()
+    supervised_trainer(eval_config(tiny_dataset, out, steps=4), progress=False, eval_command=fake_eval(control)).fit()
     for done in control.glob("started_*"):
         done.unlink()
     resumed = eval_config(tiny_dataset, out, steps=6, resume=True)
     resumed.eval.episodes = 2  # evaluation options may change on resume
-    Trainer(resumed, progress=False, eval_command=fake_eval(control)).fit()
+    supervised_trainer(resumed, progress=False, eval_command=fake_eval(control)).fit()
     assert started(control) == [6]
     assert [r["step"] for r in read_evals(out / "evals.jsonl")] == [2, 4, 6]
     assert os.readlink(out / "checkpoints" / "best") == "000002"  # step 6 only ties it
@@ -354,7 +360,7 @@ def test_ctrl_c_during_training_stops_the_evaluation_and_its_processes(tiny_data
 
     monkeypatch.setattr(Trainer, "checkpoint", spy)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(eval_config(tiny_dataset, out, steps=6), progress=False, eval_command=fake_eval(control)).fit()
+        supervised_trainer(eval_config(tiny_dataset, out, steps=6), progress=False, eval_command=fake_eval(control)).fit()
     try:
         assert wait_for_eof(alive[0]) == b""
     finally:
@@ -364,7 +370,7 @@ def test_ctrl_c_during_training_stops_the_evaluation_and_its_processes(tiny_data
 
 def test_roboscale_eval_scores_checkpoints_during_training(tiny_dataset, tmp_path):
     """The real thing: `roboscale eval` processes on MetaWorld's reach, an untrained tiny policy (0% success)."""
-    from roboscale.train.trainer import train
+    from roboscale.train.supervised import train
 
     out = tmp_path / "run"
     train(eval_config(tiny_dataset, out, steps=4), progress=False)

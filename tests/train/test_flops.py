@@ -6,7 +6,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from roboscale.errors import ConfigError
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.groot.transform import TOKENS, TOKENS_MASK
 from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.registry import build_policy, get_spec, preset_config

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from roboscale.errors import ConfigError
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.registry import build_policy, preset_config
 from roboscale.train.fp8 import (
     apply_fp8,

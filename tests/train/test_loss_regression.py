@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from roboscale.models.registry import preset_config
 from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
-from roboscale.train.trainer import train
+from roboscale.models.registry import preset_config
+from roboscale.train.supervised import train
 
 REFERENCE = Path(__file__).with_name("reference_losses.json")
 STEPS = 12

@@ -43,9 +43,9 @@ def test_impossible_meshes_name_the_option(world, options, named) -> None:
 def test_a_global_batch_the_ranks_cannot_share_is_refused() -> None:
     plan = resolve_plan(ParallelConfig(), env(4))
     with pytest.raises(ConfigError, match=r"^--batch_size=6 is not divisible by the 4 data-parallel ranks"):
-        check_parallel_options(TrainConfig(batch_size=6), plan)
+        check_parallel_options(6, 1, plan)
     with pytest.raises(ConfigError, match=r"^--grad_accum=3 exceeds each rank's 2 samples"):
-        check_parallel_options(TrainConfig(batch_size=8, grad_accum=3), plan)
+        check_parallel_options(8, 3, plan)
 
 
 @pytest.mark.parametrize(("field", "value"), [("strategy", "zero3"), ("timeout_s", 0)])

@@ -10,7 +10,7 @@ from roboscale.config import ConfigError
 from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.policy import Policy
 from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
-from roboscale.train.trainer import train
+from roboscale.train.supervised import train
 
 
 def tiny_train_config(root, out, steps, **kw) -> TrainConfig:
@@ -124,16 +124,16 @@ def test_training_logs_data_wait_and_hands_the_policys_data_transforms_to_the_lo
     calls = []
     build = loader_module.build_loader
 
-    def spy(source, **kw):
-        calls.append(kw)
-        return build(source, **kw)
+    def spy(source, config, **kw):
+        calls.append({**kw, "config": config})
+        return build(source, config, **kw)
 
     monkeypatch.setattr(loader_module, "build_loader", spy)
     cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=5)
     cfg.dataset.num_workers = 1
     train(cfg, progress=False)
     (kw,) = calls
-    assert kw["num_workers"] == 1 and kw["batch_size"] == 16
+    assert kw["config"].num_workers == 1 and kw["config"].batch_size == 16
     assert kw["keys"] == [*cfg.policy.image_keys, "observation.state", "action"]
     assert len(kw["delta_timestamps"]["action"]) == cfg.policy.chunk_size
     policy = Policy.from_pretrained(tmp_path / "run" / "checkpoints" / "last" / "pretrained_model")
@@ -177,11 +177,11 @@ def test_a_token_budget_trains_on_micro_batches_built_in_the_workers(tiny_datase
 
 
 def test_cli_skip_bad_episodes_flag_sets_the_dataset_option(monkeypatch, tmp_path):
-    import roboscale.train.trainer as trainer
+    import roboscale.train.supervised as supervised
     from roboscale.cli import main
 
     seen = []
-    monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg) or tmp_path)
+    monkeypatch.setattr(supervised, "train", lambda cfg: seen.append(cfg) or tmp_path)
     main(["train", "--skip-bad-episodes", "--dataset.num_workers=3"])
     assert seen[0].dataset.skip_bad_episodes is True and seen[0].dataset.num_workers == 3
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from roboscale.configs.train import DatasetConfig, OptimizerConfig, ParallelConfig, TrainConfig
-from roboscale.models.flow_matching import flow_matching_loss
+from roboscale.models.objective import flow_matching_loss
 from roboscale.models.registry import preset_config
 from roboscale.train.components import TrainingComponents
 
@@ -169,7 +169,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "names":
         disagreeing_names()
     else:
-        from roboscale.train.trainer import train
+        from roboscale.train.supervised import train
 
         dataset, out, steps = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
         train(toy_config(dataset, out, steps), progress=False, job=ToyJob(dataset))

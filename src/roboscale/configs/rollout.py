@@ -146,6 +146,8 @@ class RolloutConfig:
             raise ConfigError(f"--rollout.render must be one of {list(RENDER_MODES)}, got {self.render!r}")
         if self.server and not self.server.startswith(("ws://", "wss://")):
             raise ConfigError(f"--rollout.server must be a ws://HOST:PORT address, got {self.server!r}")
+        if self.server_api_key_file and not self.server:
+            raise ConfigError("--rollout.server_api_key_file is the key of a --rollout.server, and none is given")
         if self.server and self.sampler.stochastic:
             raise ConfigError("--rollout.server predicts with the server's ode sampler; --rollout.sampler=sde needs "
                               "the policy here")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from dataclasses import dataclass, field
 
@@ -77,9 +76,6 @@ class ServeConfig:
     @property
     def loopback(self) -> bool:
         """Whether the server listens on a loopback interface only (where it may run without a key)."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:  # a host name: it may resolve to any interface
-            return False
+        from roboscale.transport.websocket import is_loopback
+
+        return is_loopback(self.host)

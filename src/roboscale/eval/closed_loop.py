@@ -20,7 +20,7 @@ from roboscale.configs.eval import EvalConfig
 from roboscale.errors import ConfigError
 from roboscale.eval.records import read_json_object
 from roboscale.models.policy import resolve_checkpoint
-from roboscale.rollout.setup import check_cameras, policy_env_options
+from roboscale.rollout.setup import check_cameras, policy_env_request
 from roboscale.utils.io import atomic_write_json, exclusive_lock, sha256_file
 from roboscale.utils.lifetime import interrupted
 
@@ -59,9 +59,9 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     # an env without a camera of its own for videos shows the policy's first one
     video_camera = (cfg.video_camera or spec.video_camera
                     or next((k.removeprefix("observation.images.") for k in policy_cfg.image_keys), ""))
-    env_options = policy_env_options(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
-    check_cameras(spec, tasks[0], env_options, checkpoint)
-    cameras, image_size = env_options["cameras"], env_options["image_size"]
+    request = policy_env_request(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
+    check_cameras(spec, tasks[0], request, checkpoint)
+    cameras, image_size = request.cameras, request.image_size
     out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(checkpoint).parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -69,7 +69,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         "env": spec.name, "tasks": tasks, "episodes_per_task": cfg.episodes, "seed": cfg.seed,
         "placement": PLACEMENT, "max_steps": cfg.max_steps, "success_rule": SUCCESS_RULE, "cameras": cameras,
         "state_feature": policy_cfg.state_key, "image_size": image_size, "video_camera": video_camera,
-        "env_options": to_dict(env_options["options"]),
+        "env_options": to_dict(request.options),
         "n_action_steps": policy_cfg.n_action_steps,
         "chunk_size": policy_cfg.chunk_size, "num_inference_steps": policy_cfg.num_inference_steps, "noise": NOISE,
         "instructions": {task: instructions.get(task) or spec.instruction(task) for task in tasks},
@@ -99,7 +99,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         if done:
             log.info("resuming: %d of %d episodes were already done (%s)", len(done), len(tasks) * cfg.episodes,
                      episode_log.path)
-        setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, env_options, video_camera,
+        setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, request, video_camera,
                          str(out_dir / "videos"))
         results, stats = _run(RolloutEngine(cfg.rollout, setup), jobs, episode_log, progress)
         results = sorted([*done.values(), *results], key=lambda r: (tasks.index(r.task), r.episode))
@@ -120,7 +120,7 @@ def _served_policy(cfg: EvalConfig) -> tuple[Any, str, str, str]:
     from roboscale.models.config import PolicyConfig
     from roboscale.models.policy import read_policy_config
     from roboscale.models.registry import get_spec
-    from roboscale.rollout.remote import connect, read_key
+    from roboscale.transport.websocket import connect, read_key
 
     if not cfg.output_dir:
         raise ConfigError("--output_dir is required with --rollout.server (the checkpoint is the server's)")

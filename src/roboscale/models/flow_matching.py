@@ -1,4 +1,4 @@
-"""Flow matching for action chunks: the one implementation both policies use, and the training objective.
+"""Flow matching for action chunks: the one implementation both policies use.
 
 A policy states its time convention: ``data_at=0`` is pi0's (t = 1 is noise, t = 0 the actions:
 x_t = t * noise + (1 - t) * actions, velocity noise - actions), ``data_at=1`` GR00T's (t = 0 noise, t = 1 the
@@ -6,9 +6,9 @@ actions: x_t = (1 - t) * noise + t * actions, velocity actions - noise). Each co
 distribution and Euler schedule exactly as its reference implementation computes them, so a checkpoint trained
 under one samples the same under the other's code path.
 
-The objective (``flow_matching_loss``) is apart from the model: the policy encodes an observation and predicts a
-velocity; sampling noise and time, the target and the loss live here. Another objective (RL) can drive the same
-model through the same two calls.
+The objective is apart from the model (``roboscale.models.objective.flow_matching_loss``): the policy encodes an
+observation and predicts a velocity; the noise and time draws, the interpolation and the sampler live here.
+Another objective (RL's) drives the same model through the same two calls.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from roboscale.models.rtc import Guide, guided_velocity
-
-if TYPE_CHECKING:
-    from roboscale.models.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -195,39 +192,6 @@ def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, std: float | torch
     """Elementwise log N(x; mean, std^2)."""
     std = torch.as_tensor(std, device=x.device, dtype=x.dtype)
     return -0.5 * ((x - mean) / std) ** 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)
-
-
-def flow_matching_loss(policy: Policy, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
-    """The training objective: mean squared error of the predicted velocity over the action steps that exist and
-    the action dimensions ``policy.config.loss_action_dims`` names.
-
-    Returns the loss and metrics as tensors (no host sync per micro-batch): ``loss``, ``loss_weight`` (the loss's
-    denominator, so micro-batch losses combine into the whole batch's mean) and the token counts."""
-    encoded = policy.encode(batch)
-    actions = encoded.actions
-    if actions is None:
-        raise ValueError("a training batch needs actions; this one was collated without them")
-    flow = policy.flow_matching
-    seeds = sample_seeds(batch)
-    if seeds is not None:
-        noise, t = flow.draws_per_sample(seeds, tuple(actions.shape[1:]), actions.device)
-        noise = noise.to(actions.dtype)
-    else:  # a batch built outside the loader: the global RNG
-        noise = torch.randn_like(actions)
-        t = flow.sample_time(actions.shape[0], actions.device)
-    x_t, target = flow.interpolate(actions, noise, t)
-    pred = policy.velocity(encoded, x_t, t)
-    width = policy.config.loss_action_width()  # the dataset's dimensions only, where the config says so
-    err = (pred - target)[..., :width].pow(2).mean(-1)  # [B, T]
-    if encoded.action_mask is not None:
-        keep = encoded.action_mask.float()
-        weight = keep.sum().clamp_min(1.0)
-        loss = (err * keep).sum() / weight
-    else:
-        weight = torch.tensor(float(err.numel()))
-        loss = err.mean()
-    return loss, {"loss": loss.detach(), "loss_weight": weight.detach(), "tokens": encoded.tokens,
-                  "computed_tokens": encoded.computed_tokens}
 
 
 def sample_seeds(batch: Any) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ A policy is a plain ``nn.Module`` that the engines drive from outside:
 - **Compute.** ``encode(batch)`` turns a batch or an observation into an ``Encoded`` (the observation ready for
   the action model, and for training batches the normalized actions); ``velocity(encoded, x_t, t)`` predicts the
   flow velocity of noisy actions in the policy's ``flow_matching`` convention. The training objective
-  (``roboscale.models.flow_matching.flow_matching_loss``) and inference (``predict_action_chunk``) are built on
+  (``roboscale.models.objective.flow_matching_loss``) and inference (``predict_action_chunk``) are built on
   these two calls, so another objective can drive the same model.
 - **Parallelism.** ``parallel_units()`` lists the blocks that FSDP, activation checkpointing and
   ``torch.compile`` wrap; each unit's ``forward`` is where its work happens, so one all-gather serves it.

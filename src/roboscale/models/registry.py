@@ -63,7 +63,7 @@ class PolicySpec:
     """"module:Class" of the Policy."""
     presets: dict[str, dict] = field(default_factory=dict)
     """Named sizes: config overrides on top of the defaults (the defaults are the CPU demo size)."""
-    objective: str = "roboscale.models.flow_matching:flow_matching_loss"
+    objective: str = "roboscale.models.objective:flow_matching_loss"
     """"module:function" ``(policy, batch) -> (loss, metrics)`` the trainer minimises."""
     fp8_filter: str | None = None
     """"module:function" ``(module_name, module, min_features=None) -> bool``: the Linear layers FP8 training

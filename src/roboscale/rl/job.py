@@ -2,6 +2,10 @@
 checkpoint, rollouts as the data source, the policy-gradient loss as the objective, weight publishing as a step
 hook, and the RL state in the checkpoint. Everything else (ranks, FSDP2/DDP, optimizer, DCP checkpoints, resume,
 telemetry, evaluation during training) is the Trainer's, as for supervised training.
+
+The job owns the one ``WeightChannel`` between the trainer and the generators (``rollout.weights``): the engine
+takes its weights from it, and the trainer's reach it through the rollout driver's ``WeightSchedule``
+(``rl.driver``), which decides when each version goes in.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from roboscale.config import to_dict
+from roboscale.config import from_dict, to_dict
 from roboscale.configs.rl import RLConfig
-from roboscale.errors import ConfigError
+from roboscale.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from roboscale.models.config import PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +36,12 @@ STATE = "rl"
 
 
 class WeightPublisher:
-    """Step hook: after an optimizer step that a rollout follows, the rollout driver takes the new weights with
-    their version (the number of the step that made them), for the rollouts it starts from then on. ``publish``
-    alone: the weights a run starts (or resumes) with."""
+    """Step hook: after an optimizer step that a rollout follows, the new weights with their version (the number
+    of the step that made them) go to ``schedule`` (``rl.driver.WeightSchedule``: on to the engine's channel, for
+    the rollouts that start from then on). ``publish`` alone: the weights a run starts (or resumes) with."""
 
-    def __init__(self, source: Any, due: Callable[[], bool]):
-        self.source = source
+    def __init__(self, schedule: Any, due: Callable[[], bool]):
+        self.schedule = schedule
         self.due = due  # whether a rollout comes next (not another epoch on the last one)
 
     def __call__(self, trainer: Any) -> None:
@@ -45,10 +52,10 @@ class WeightPublisher:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # every rank gathers the full weights (a collective) for its own engine; copies, since training goes on
-        # while the driver hands them to the servers (the critic too, if any: PPO's values come from the acting
+        # while the engine hands them to the servers (the critic too, if any: PPO's values come from the acting
         # weights)
         full = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True))
-        self.source.publish({k: v.detach().to("cpu", copy=True) for k, v in full.items()}, trainer.step)
+        self.schedule.publish({k: v.detach().to("cpu", copy=True) for k, v in full.items()}, trainer.step)
 
 
 @dataclass
@@ -79,16 +86,16 @@ class RLJob:
 
         if resumed is not None:
             return resumed
-        from roboscale.rl.run import policy_config
-
         # the checkpoint's policy, with a critic where the algorithm needs one and it has none (a fresh value head)
         config = policy_config(self.cfg, self.checkpoint)
         return Policy.from_pretrained(self.checkpoint, value_head_dim=config.value_head_dim)
 
     def build(self, trainer: Any) -> Any:
+        from roboscale.rl.driver import WeightSchedule
         from roboscale.rl.objective import PolicyGradientLoss
         from roboscale.rl.rollouts import RolloutSource
         from roboscale.rollout.engine import RolloutEngine
+        from roboscale.rollout.weights import WeightChannel
         from roboscale.train.components import TrainingComponents
 
         cfg = self.cfg
@@ -98,7 +105,9 @@ class RLJob:
                               f"episode groups per step, not divisible by the {trainer.plan.dp_size} data-parallel "
                               "ranks (each rank rolls out whole groups)")
         rollout, cores = placed(cfg, trainer.env)
-        engine = RolloutEngine(rollout, rl_env_setup(cfg, self.checkpoint, self.tasks, trainer.policy.config))
+        weights = WeightChannel()  # the trainer's weights to the generators, the one way
+        engine = RolloutEngine(rollout, rl_env_setup(cfg, self.checkpoint, self.tasks, trainer.policy.config),
+                               weights=weights)
         with pinned(cores.rollout if cores else None):  # spawned processes inherit the thread's cores
             engine.start()  # one pool for the whole run: its servers take each rollout's weights
         if cores:
@@ -106,14 +115,15 @@ class RLJob:
             import torch
 
             torch.set_num_threads(len(cores.trainer))
-        source = RolloutSource(cfg.rl, self.tasks, engine, trainer.policy.config, rollouts=cfg.steps // cfg.rl.epochs,
+        schedule = WeightSchedule(cfg.rl, cfg.steps // cfg.rl.epochs, weights)
+        source = RolloutSource(cfg.rl, self.tasks, engine, schedule, trainer.policy.config,
                                rank=trainer.env.rank, world_size=trainer.plan.dp_size,
                                before_first=lambda: publisher.publish(trainer),
                                driver_cores=cores.rollout if cores else None,
                                log_path=trainer.output_dir / ROLLOUT_LOG if trainer.env.is_main else None)
-        publisher = WeightPublisher(source, due=lambda: source.rolls_out_next)
-        return TrainingComponents(data=source, objective=PolicyGradientLoss(cfg.rl, cfg.rollout.sampler), hooks=[publisher],
-                                  state={STATE: RLState(cfg)}, counts_flops=False)
+        publisher = WeightPublisher(schedule, due=lambda: source.rolls_out_next)
+        return TrainingComponents(data=source, objective=PolicyGradientLoss(cfg.rl, cfg.rollout.sampler),
+                                  hooks=[publisher], state={STATE: RLState(cfg)}, counts_flops=False)
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,21 @@ def split_cores() -> Cores:
                           f"{len(cores)})")
     half = len(cores) // 2
     return Cores(set(cores[:half]), set(cores[half:]))
+
+
+def policy_config(cfg: RLConfig, checkpoint: Path) -> PolicyConfig:
+    """The trained policy's config: the checkpoint's, with the algorithm's critic (PPO's value head) where it has
+    none. The one place that decides the critic."""
+    from roboscale.models.config import PolicyConfig
+    from roboscale.models.policy import CONFIG_NAME, read_policy_config
+
+    saved = read_policy_config(checkpoint)
+    if cfg.rl.algorithm.critic and not saved.get("value_head_dim"):
+        saved["value_head_dim"] = cfg.rl.algorithm.value_head_dim
+    try:
+        return from_dict(PolicyConfig, saved, where=str(checkpoint / CONFIG_NAME))
+    except ConfigError as exc:
+        raise CheckpointError(checkpoint / CONFIG_NAME, str(exc)) from None
 
 
 def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_config: Any) -> Any:

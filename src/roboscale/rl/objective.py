@@ -98,8 +98,10 @@ class PolicyGradientLoss:
                       "loss_weight": total.detach(), "ratio": _detached(mean, ratio),
                       "clip_fraction": _detached(mean, clipped), "approx_kl": _detached(mean, approx_kl),
                       "log_prob": _detached(mean, log_prob / mask.flatten(1).sum(1).clamp_min(1)),
-                      "advantage_abs": _detached(mean, advantage.abs()), "success": _detached(mean, batch["success"].to(device)),
-                      "return": _detached(mean, batch["return"].to(device)), "episode_steps": _detached(mean, batch["steps"].to(device)),
+                      "advantage_abs": _detached(mean, advantage.abs()),
+                      "success": _detached(mean, batch["success"].to(device)),
+                      "return": _detached(mean, batch["return"].to(device)),
+                      "episode_steps": _detached(mean, batch["steps"].to(device)),
                       "episodes": total.detach(), "chunks": torch.tensor(float(len(weight)), device=device),
                       # rollouts of updates the acting weights lagged behind (async; 0 in sync)
                       "staleness": _detached(mean, batch["staleness"].to(device)),

@@ -107,21 +107,6 @@ def saved_rl_config(checkpoint: Path) -> RLConfig:
         raise CheckpointError(path, f"damaged ({type(exc).__name__}: {exc})") from None
 
 
-def policy_config(cfg: RLConfig, checkpoint: Path) -> Any:
-    """The trained policy's config: the checkpoint's, with the algorithm's critic (PPO's value head) where it has
-    none. The one place that decides the critic."""
-    from roboscale.models.config import PolicyConfig
-    from roboscale.models.policy import CONFIG_NAME, read_policy_config
-
-    saved = read_policy_config(checkpoint)
-    if cfg.rl.algorithm.critic and not saved.get("value_head_dim"):
-        saved["value_head_dim"] = cfg.rl.algorithm.value_head_dim
-    try:
-        return from_dict(PolicyConfig, saved, where=str(checkpoint / CONFIG_NAME))
-    except ConfigError as exc:
-        raise CheckpointError(checkpoint / CONFIG_NAME, str(exc)) from None
-
-
 def run_rl(cfg: RLConfig, progress: bool = True) -> Path:
     """Post-train ``cfg.policy_path`` and return the final checkpoint's ``pretrained_model``."""
     from roboscale.models.policy import resolve_checkpoint

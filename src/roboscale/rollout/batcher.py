@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from roboscale.errors import WorkerError
@@ -54,6 +54,15 @@ class BatcherStats:
     @property
     def mean_batch_size(self) -> float:
         return self.items / self.calls if self.calls else 0.0
+
+    def add(self, other: BatcherStats) -> None:
+        """Count ``other``'s batches too (another server's, or a later report's)."""
+        for f in fields(self):
+            mine = getattr(self, f.name)
+            if isinstance(mine, Counter):
+                mine.update(getattr(other, f.name))
+            else:
+                setattr(self, f.name, mine + getattr(other, f.name))
 
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its contents

@@ -3,10 +3,22 @@ going until every episode has a result.
 
 Lifetime: ``RolloutEngine(cfg, setup).run(jobs)`` starts a pool of processes for that call and stops it after
 (``roboscale eval``). Started (``start()`` ... ``close()``, or ``with RolloutEngine(...) as engine:``), the engine
-keeps its pool across ``run`` calls, so the servers load the policy once; ``update_weights(state, version)``
-between runs has every process that predicts load new weights (and acknowledge them) before it returns, and a
-pool restarted after a crash loads the latest published weights before it gets a job. Between runs the processes
-wait idle; at the end of each run each reports what it did since the last (``RolloutStats``).
+keeps its pool across calls, so the servers load the policy once. Between calls the processes wait idle; at the
+end of each call each reports what it did since the last (``RolloutStats``). Two calls:
+
+- ``run(jobs)``: every job's result, in job order, and the stats.
+- ``stream(jobs, on_result)``: a run that goes on (RL's rollouts): ``jobs()`` is asked between events for more
+  jobs (a list, maybe empty) or None once no more will come; each result goes to ``on_result`` as it comes, and
+  the stats are returned once the last job has its result.
+
+Weights: given a ``WeightChannel`` (``rollout.weights``: ``RolloutEngine(cfg, setup, weights=channel)``), the engine
+predicts with the channel's latest weights (none published: the checkpoint's, version 0). A run takes the latest
+when it starts (every episode of it acts with them); a stream takes newer ones between its events too, and the
+jobs it has not dealt yet wait until every process that predicts has loaded them (the episodes in flight go on
+with them: each chunk records the version that predicted it). A pool started, or restarted after a crash, loads
+the weights the engine holds before it gets a job. Once every process that predicts has loaded a version, the
+engine acknowledges it on the channel; weights the policy refuses end the call with its error (a
+``CheckpointError`` naming the tensor) and leave the last acknowledged ones published.
 
 Scheduling: each worker holds at most ``2 x envs_per_worker`` jobs (its environments' plus one queued each, so an
 environment that finishes starts the next episode at once); a result frees a place and the next job goes there,
@@ -25,7 +37,7 @@ up to ``max_retries`` times and then reported as a failed episode with the reaso
 killed and the whole pool restarted: the channels it shared with the others may be left locked by a process
 killed mid-write, and a restart is cheap next to a hang. Episodes other workers had in progress start again
 (their outcome is the same). An inference server that dies or hangs is replaced the same way (the new pool loads
-the latest published weights; no episode is charged an attempt, and after ``max_retries`` lost servers in one run
+the engine's weights; no episode is charged an attempt, and after ``max_retries`` lost servers in one run
 the run fails). A process that reports it cannot work (a bad checkpoint or env adapter, a failed prediction) ends
 the run with that error.
 """
@@ -33,25 +45,23 @@ the run with that error.
 from __future__ import annotations
 
 import logging
-import operator
 import queue
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from roboscale.configs.rollout import RolloutConfig
-from roboscale.errors import WorkerError, from_record
+from roboscale.errors import CheckpointError, WorkerError, from_record
 from roboscale.rollout import messages
+from roboscale.rollout.batcher import BatcherStats
 from roboscale.rollout.episode import EpisodeJob, EpisodeResult
 from roboscale.rollout.launch import Channel, Handle, Launcher, launcher_for
 from roboscale.rollout.server import ServerSettings, run_server
-from roboscale.rollout.weights import encode_state
+from roboscale.rollout.weights import Published, WeightChannel
 from roboscale.rollout.worker import WorkerSettings, run_env_worker
-
-if TYPE_CHECKING:
-    import torch
+from roboscale.sim.env import EnvRequest
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +75,8 @@ class EnvSetup:
     env: str
     checkpoint: str
     n_action_steps: int
-    env_options: dict[str, Any] = field(default_factory=dict)
+    request: EnvRequest = field(default_factory=EnvRequest)
+    """How each environment is built (``EnvSpec.make(task, request)``)."""
     video_camera: str = ""
     video_dir: str = ""
 
@@ -98,14 +109,10 @@ class RolloutStats:
     """Wall time env workers had nothing to step and waited for actions."""
     server_cpu_s: float = 0.0
     """CPU time of the inference servers (every thread: the policy, reading requests, sending answers)."""
-    server_idle_s: float = 0.0
-    """Wall time the servers had no request."""
-    batch_fill_s: float = 0.0
-    """Wall time the servers held requests back, waiting for more to fill a batch."""
-    batch_sizes: Counter[int] = field(default_factory=Counter)
-    """Batch size -> the servers' policy calls of that size."""
-    batch_reasons: Counter[str] = field(default_factory=Counter)
-    """Why the servers' batches went (``rollout.batcher``): full, all_waiting, timeout."""
+    batching: BatcherStats = field(default_factory=BatcherStats)
+    """The inference servers' dynamic batching, their reports added up (``rollout.batcher``): the sizes of their
+    policy calls, why each batch went (full, all_waiting, timeout), the time they had no request (``idle_s``)
+    and held requests back to fill a batch (``fill_s``)."""
     restarts: int = 0
     retries: list[Retry] = field(default_factory=list)
     inference: str = ""
@@ -141,23 +148,8 @@ def task_turns(jobs: list[EpisodeJob]) -> list[EpisodeJob]:
     return turns
 
 
-@dataclass
-class Feed:
-    """A run that goes on (RL's asynchronous rollouts): asked between events, ``weights()`` returns newer weights
-    to publish now (``(state, version)``) or None, then ``jobs()`` more jobs to run (a list, maybe empty) or None
-    once no more will come; the run ends when that was said and every job has a result. Published weights reach
-    every process that predicts (in order with the jobs: no job is dealt until each has acknowledged them), and
-    the episodes in flight go on with them (each chunk records the version that predicted it). Results are given
-    to ``on_result`` only, not kept."""
-
-    jobs: Callable[[], list[EpisodeJob] | None]
-    weights: Callable[[], tuple[Mapping[str, Any], int] | None] = lambda: None
-    open: bool = True
-
-
 class Cancelled(Exception):
-    """``run``'s ``should_stop`` said so: the run was abandoned (its pool killed; ``start`` again to reuse the
-    engine)."""
+    """``should_stop`` said so: the call was abandoned (its pool killed; ``start`` again to reuse the engine)."""
 
 
 class _Restart(Exception):
@@ -170,27 +162,32 @@ class _Restart(Exception):
 
 
 class RolloutEngine:
-    """See the module docstring: one-shot ``run``, or ``start`` / ``run`` ... / ``update_weights`` / ``close``."""
+    """See the module docstring: one-shot ``run``, or ``start`` / ``run`` or ``stream`` ... / ``close``."""
 
-    def __init__(self, cfg: RolloutConfig, setup: EnvSetup):
+    def __init__(self, cfg: RolloutConfig, setup: EnvSetup, weights: WeightChannel | None = None):
         self.cfg = cfg
         self.setup = setup
+        self.weights = weights if weights is not None else WeightChannel()
+        """Where the engine's weights come from (see the module docstring): nothing published, the checkpoint's."""
         self._launcher: Launcher | None = None
         self._pool: _Pool | None = None
         self._generation = 0
-        self._weights: messages.LoadWeights | None = None  # the latest published (None: the checkpoint's, version 0)
-        self._busy = ""  # the call in progress: run and update_weights do not nest
+        self._held: Published | None = None  # the weights taken from the channel (None: the checkpoint's, version 0)
+        self._busy = ""  # the call in progress: run and stream do not nest
 
     @property
     def version(self) -> int:
-        """The version of the weights the engine predicts with (0: the checkpoint's)."""
-        return self._weights.version if self._weights is not None else 0
+        """The version of the weights the engine predicts with, or does once its processes have loaded them (0:
+        the checkpoint's)."""
+        return self._held.version if self._held is not None else 0
 
     # --- lifetime -------------------------------------------------------------------------------------------
     def start(self) -> RolloutEngine:
-        """Start the processes now (the servers load the policy); ``run`` reuses them until ``close``."""
+        """Start the processes now (the servers load the policy, and the channel's latest weights); ``run`` and
+        ``stream`` reuse them until ``close``."""
         self._open()
         if self._pool is None:
+            self._held = self.weights.latest()
             self._pool = self._new_pool()
         return self
 
@@ -213,18 +210,34 @@ class RolloutEngine:
 
     # --- work -----------------------------------------------------------------------------------------------
     def run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None = None,
-            should_stop: Callable[[], bool] | None = None, feed: Feed | None = None
-            ) -> tuple[list[EpisodeResult], RolloutStats]:
-        """Every job's result (in job order) and where the time went. Not started: a pool for this call only.
-        ``should_stop``: asked about once a second and after each event; True abandons the run (``Cancelled``).
-        ``feed``: more jobs and new weights while the run goes on (see ``Feed``; the results are then empty)."""
-        self._check_idle("run")
+            should_stop: Callable[[], bool] | None = None) -> tuple[list[EpisodeResult], RolloutStats]:
+        """Every job's result (in job order) and where the time went, by the channel's latest weights when the run
+        starts. Not started: a pool for this call only. ``on_result``: each result as it comes, too;
+        ``should_stop``: asked about once a second and after each event; True abandons the run (``Cancelled``)."""
+        return self._call("run", jobs, None, on_result, should_stop)
+
+    def stream(self, jobs: Callable[[], list[EpisodeJob] | None], on_result: Callable[[EpisodeResult], None],
+               should_stop: Callable[[], bool] | None = None) -> RolloutStats:
+        """Run the jobs ``jobs()`` hands out (asked between events: a list, maybe empty, or None once no more will
+        come; a job's key once in a stream) until it said None and every job has a result; each result goes to
+        ``on_result`` as it comes (none is kept). Newer weights on the channel are taken between events, after
+        ``jobs()``: a job handed out is dealt only once every process that predicts has loaded the channel's latest
+        weights as of then. ``should_stop`` as for ``run``. Returns where the time went."""
+        return self._call("stream", [], jobs, on_result, should_stop)[1]
+
+    # --- inside ---------------------------------------------------------------------------------------------
+    def _call(self, call: str, jobs: list[EpisodeJob], feed: Callable[[], list[EpisodeJob] | None] | None,
+              on_result: Callable[[EpisodeResult], None] | None, should_stop: Callable[[], bool] | None
+              ) -> tuple[list[EpisodeResult], RolloutStats]:
+        if self._busy:
+            raise RuntimeError(f"RolloutEngine.{call} called during {self._busy} (call it between runs)")
         one_shot = self._launcher is None
         self._open()
-        self._busy = "run"
+        self._busy = call
         try:
-            return self._run(jobs, on_result, should_stop or (lambda: False), feed)
-        except BaseException:  # an error, or Ctrl-C: nothing of this pool is worth waiting for
+            return self._run(jobs, feed, on_result, should_stop or (lambda: False))
+        except BaseException as exc:  # an error, or Ctrl-C: nothing of this pool is worth waiting for
+            self._refused(exc, self._pool)
             self._discard_pool()
             raise
         finally:
@@ -232,73 +245,71 @@ class RolloutEngine:
             if one_shot:
                 self.close()
 
-    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Publish new weights: every process that predicts loads them (strictly) and says so before this returns;
-        their predictions carry ``version``. Between runs (not from ``on_result``). A state the policy refuses
-        raises (a ``CheckpointError`` naming the tensor) and leaves the previous weights published."""
-        self._check_idle("update_weights")
-        published = messages.LoadWeights(encode_state(state), operator.index(version))
-        previous, self._weights = self._weights, published
-        if self._launcher is None:
-            return  # not started: the pool of the next run starts with them
-        try:
-            for _ in range(self.cfg.max_retries + 1):
-                try:
-                    if self._pool is None:
-                        self._pool = self._new_pool()  # loads the published weights
-                    else:
-                        self._pool.load_weights(published)
-                    return
-                except _Restart as restart:  # a process died: a new pool, which starts with these weights
-                    self._discard_pool()
-                    log.warning("restarting the rollout workers: %s", restart)
-            raise WorkerError(f"the rollout processes failed {self.cfg.max_retries + 1} times while loading "
-                              f"weights version {version}")
-        except BaseException:
-            self._weights = previous
-            self._discard_pool()
-            raise
-
-    # --- inside ---------------------------------------------------------------------------------------------
-    def _check_idle(self, call: str) -> None:
-        if self._busy:
-            raise RuntimeError(f"RolloutEngine.{call} called during {self._busy} (call it between runs)")
-
     def _open(self) -> None:
         if self._launcher is None:
             self._launcher = launcher_for(self.cfg.ray_address)
 
     def _new_pool(self) -> _Pool:
-        pool = _Pool(self.cfg, self.setup, self._launcher, self._generation)
+        """A pool with the weights the engine holds, loaded by every process that predicts."""
+        pool = _Pool(self.cfg, self.setup, self._launcher, self._generation, acknowledge=self.weights.acknowledge)
         self._generation += 1  # replies of an earlier pool are told apart and dropped
-        if self._weights is not None:
+        if self._held is not None:
             try:
-                pool.load_weights(self._weights)
-            except BaseException:
+                pool.load_weights(self._held)
+            except BaseException as exc:
+                self._refused(exc, pool)
                 pool.kill()
                 raise
         return pool
+
+    def _refused(self, exc: BaseException, pool: _Pool | None) -> None:
+        """A process's CheckpointError while ``pool`` loads weights: the policy refused them. The channel's last
+        acknowledged weights are published again, and the engine's."""
+        if isinstance(exc, CheckpointError) and pool is not None and pool.awaiting and pool.weights is not None:
+            self.weights.refuse(pool.weights, exc)
+            self._held = self.weights.latest()
+
+    def _send_weights(self) -> None:
+        """The weights the engine holds, to the processes of its pool that lack them (without waiting: no job is
+        dealt until each has loaded them)."""
+        if self._held is not None and self._pool.weights is not self._held:
+            self._pool.send_weights(self._held)
 
     def _discard_pool(self) -> None:
         if self._pool is not None:
             self._pool.kill()
             self._pool = None
 
-    def _run(self, jobs: list[EpisodeJob], on_result: Callable[[EpisodeResult], None] | None,
-             should_stop: Callable[[], bool], feed: Feed | None) -> tuple[list[EpisodeResult], RolloutStats]:
+    def _run(self, jobs: list[EpisodeJob], feed: Callable[[], list[EpisodeJob] | None] | None,
+             on_result: Callable[[EpisodeResult], None] | None, should_stop: Callable[[], bool]
+             ) -> tuple[list[EpisodeResult], RolloutStats]:
         stats = RolloutStats()
         results: dict[tuple[str, int], EpisodeResult] | None = {} if feed is None else None
         attempts: dict[tuple[str, int], int] = {job.key: 0 for job in jobs}
         pending: deque[EpisodeJob] = deque(task_turns(jobs))
         start = time.perf_counter()
         lost_servers = 0
-        while pending or (feed is not None and feed.open):
+        feeding = feed is not None
+
+        def between() -> bool:
+            """A stream's, between events: the feed's new jobs, then the channel's newer weights (sent before any
+            of those jobs is dealt); whether more jobs may come."""
+            nonlocal feeding
+            if feeding:
+                feeding = self._take_jobs(feed, pending, attempts)
+            self._held = self.weights.latest()
+            self._send_weights()
+            return feeding
+
+        self._held = self.weights.latest()
+        while pending or feeding:
             try:
                 if self._pool is None:
                     self._pool = self._new_pool()
                 self._pool.resume()
+                self._send_weights()
                 self._pool.drive(pending, attempts, results, on_result, stats, should_stop,
-                                 None if feed is None else lambda: self._take_feed(feed, pending, attempts))
+                                 None if feed is None else between)
             except _Restart as restart:
                 self._discard_pool()
                 stats.restarts += 1
@@ -316,20 +327,11 @@ class RolloutEngine:
         stats.wall_s = time.perf_counter() - start
         return ([] if results is None else [results[job.key] for job in jobs]), stats
 
-    def _take_feed(self, feed: Feed, pending: deque[EpisodeJob], attempts: dict) -> bool:
-        """Between events: the feed's new weights (published, so that a pool started from now on loads them, and
-        sent to this pool's processes without waiting), then its new jobs (dealt once the weights they may need
-        are acknowledged). Returns whether more jobs may come."""
-        offered = feed.weights()
-        if offered is not None:
-            state, version = offered
-            self._weights = messages.LoadWeights(encode_state(state), operator.index(version))
-            self._pool.send_weights(self._weights)
-        if not feed.open:
-            return False
-        jobs = feed.jobs()
+    @staticmethod
+    def _take_jobs(feed: Callable[[], list[EpisodeJob] | None], pending: deque[EpisodeJob], attempts: dict) -> bool:
+        """The feed's new jobs, queued; whether more may come."""
+        jobs = feed()
         if jobs is None:
-            feed.open = False
             return False
         for job in jobs:
             if job.key in attempts:
@@ -342,9 +344,11 @@ class RolloutEngine:
 class _Pool:
     """One generation of servers and workers."""
 
-    def __init__(self, cfg: RolloutConfig, setup: EnvSetup, launcher: Launcher, generation: int):
+    def __init__(self, cfg: RolloutConfig, setup: EnvSetup, launcher: Launcher, generation: int,
+                 acknowledge: Callable[[Published], None] | None = None):
         from roboscale.rollout.inference import RunnerSettings, inference_threads
-        from roboscale.rollout.remote import RemoteSettings, read_key
+        from roboscale.rollout.remote import RemoteSettings
+        from roboscale.transport.websocket import read_key
 
         self.cfg, self.setup, self.generation = cfg, setup, generation
         self.events = launcher.channel()
@@ -376,7 +380,7 @@ class _Pool:
         for i in range(cfg.workers):
             name = f"worker{i}"
             settings = WorkerSettings(
-                name, i, generation, setup.env, setup.env_options, cfg.envs_per_worker, cfg.sub_batches,
+                name, i, generation, setup.env, setup.request, cfg.envs_per_worker, cfg.sub_batches,
                 setup.n_action_steps, setup.video_camera, setup.video_dir, spare_envs=cfg.spare_envs,
                 announce_groups=serving and cfg.servers == 1,
                 render_every_step=cfg.render == "every_step", local=None if serving else predictor,
@@ -391,9 +395,12 @@ class _Pool:
         self.last_seen: dict[str, float] = {}
         self.assigned: dict[str, dict[tuple[str, int], EpisodeJob]] = {name: {} for name in self.workers}
         self.started: dict[str, set[tuple[str, int]]] = {name: set() for name in self.workers}
+        self.weights: Published | None = None
+        """The weights sent to the processes that predict (None: the checkpoint's)."""
         self.awaiting: set[str] = set()
-        """Processes that have not acknowledged the weights sent during a run (no job is dealt meanwhile)."""
-        self.sent_version: int | None = None
+        """Processes that have not acknowledged ``weights`` yet (no job is dealt meanwhile)."""
+        self.acknowledge = acknowledge or (lambda published: None)
+        """Called once every process that predicts has loaded ``weights``."""
 
     @property
     def handles(self) -> dict[str, Handle]:
@@ -421,21 +428,22 @@ class _Pool:
     # --- the loop ------------------------------------------------------------------------------------------
     def drive(self, pending: deque[EpisodeJob], attempts: dict, results: dict | None,
               on_result: Callable[[EpisodeResult], None] | None, stats: RolloutStats,
-              should_stop: Callable[[], bool], take_feed: Callable[[], bool] | None = None) -> None:
-        """Until every job has a result (and, with a feed, it said no more will come: ``take_feed`` takes what it
-        offers between events and says whether more may come); ``results``: None keeps none (they go to
-        ``on_result``)."""
+              should_stop: Callable[[], bool], between: Callable[[], bool] | None = None) -> None:
+        """Until every job has a result (and, streaming, no more will come: ``between`` runs between events,
+        queues new jobs, may send new weights, and says whether more jobs may come); ``results``: None keeps none
+        (they go to ``on_result``)."""
         while True:
             if should_stop():
                 raise Cancelled
-            more = take_feed() if take_feed is not None else False
+            more = between() if between is not None else False
             if not (pending or any(self.assigned.values()) or more):
                 return
             if not self.awaiting:
                 self._deal(pending, attempts)
-            match self._next_event(timeout=1.0 if take_feed is None else 0.05):
-                case messages.WeightsLoaded(name, version) if version == self.sent_version:
-                    self.awaiting.discard(name)
+            match self._next_event(timeout=1.0 if between is None else 0.05):
+                case messages.WeightsLoaded(name, version) if self.weights is not None and \
+                        version == self.weights.version:
+                    self._loaded(name)
                 case messages.Started(name, key, _):
                     self.started[name].add(tuple(key))
                 case messages.Result(name, record, trajectory):
@@ -535,28 +543,34 @@ class _Pool:
         for job in sorted(left, key=lambda j: j.key, reverse=True):
             pending.appendleft(job)
 
-    def send_weights(self, weights: messages.LoadWeights) -> None:
-        """During a run: every process that predicts is sent ``weights``; ``drive`` deals no job until each has
-        acknowledged them (so a job dealt from now on is predicted by them from its first chunk)."""
+    # --- weights -------------------------------------------------------------------------------------------
+    def send_weights(self, weights: Published) -> None:
+        """Every process that predicts is sent ``weights``; ``drive`` deals no job until each has acknowledged
+        them (so a job dealt from now on is predicted by them from its first chunk)."""
+        message = messages.LoadWeights(weights.data(), weights.version)
         for name in self.predicting:
-            self.controls[name].put(weights)
-        self.awaiting, self.sent_version = set(self.predicting), weights.version
+            self.controls[name].put(message)
+        self.weights, self.awaiting = weights, set(self.predicting)
 
-    # --- between runs --------------------------------------------------------------------------------------
-    def load_weights(self, weights: messages.LoadWeights) -> None:
-        """Every process that predicts loads ``weights``; returns once each has said so (a process that dies
-        meanwhile: ``_Restart``; one that refuses them: its error)."""
-        for name in self.predicting:
-            self.controls[name].put(weights)
-        waiting = set(self.predicting)
-        while waiting:
+    def _loaded(self, name: str) -> None:
+        if name in self.awaiting:
+            self.awaiting.discard(name)
+            if not self.awaiting:
+                self.acknowledge(self.weights)
+
+    def load_weights(self, weights: Published) -> None:
+        """A new pool's: every process that predicts loads ``weights``; returns once each has said so (a process
+        that dies meanwhile: ``_Restart``; one that refuses them: its error)."""
+        self.send_weights(weights)
+        while self.awaiting:
             match self._next_event(timeout=1.0):
                 case messages.WeightsLoaded(name, version) if version == weights.version:
-                    waiting.discard(name)
+                    self._loaded(name)
             lost = self._lost()
             if lost is not None:
                 raise _Restart(f"{lost[0]}: {lost[1]}", server=lost[0] in self.servers)
 
+    # --- after a call --------------------------------------------------------------------------------------
     def report(self, stats: RolloutStats, timeout_s: float = 30.0) -> None:
         """Add what each process did since its last report to ``stats`` (one that does not answer: lost)."""
         waiting = {name for name, handle in self.handles.items() if handle.alive()}
@@ -567,8 +581,8 @@ class _Pool:
             match self._next_event(timeout=0.5):
                 case messages.Stats(name, part):
                     for key, value in part.items():
-                        if isinstance(value, dict):
-                            getattr(stats, key).update(value)
+                        if isinstance(value, BatcherStats):
+                            stats.batching.add(value)
                         else:
                             setattr(stats, key, getattr(stats, key) + value)
                     waiting.discard(name)

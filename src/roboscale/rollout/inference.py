@@ -169,19 +169,16 @@ class PolicyRunner:
         self.policy.load_state_dict(state, strict=False)  # complete (the critic aside when it has none): checked
         self.version = version
 
-    def batch(self, items: list[PredictItem]) -> dict[str, Any]:
-        """The policy's observation batch, in the dataset's feature names (uint8 CHW images)."""
-        import torch
+    def close(self) -> None:
+        """Nothing to release: the policy is this process's memory, freed with the runner (``Predictor.close``
+        is for what outlives it, a remote predictor's connections)."""
 
-        batch: dict[str, Any] = {
-            self.state_key: torch.from_numpy(np.stack([item.state for item in items])),
-            "task": [item.instruction for item in items],
-        }
-        for key in self.image_keys:
-            name = key.removeprefix("observation.images.")
-            images = np.stack([item.images[name] for item in items]).transpose(0, 3, 1, 2)
-            batch[key] = torch.from_numpy(np.ascontiguousarray(images))
-        return batch  # on the CPU: the policy's own transform collates it and moves it to its device
+    def batch(self, items: list[PredictItem]) -> dict[str, Any]:
+        """The policy's observation batch, in the dataset's feature names (uint8 CHW images; the one RL's trainer
+        builds from the chunks it trains on: ``rollout.observation``)."""
+        from roboscale.rollout.observation import observation_batch
+
+        return observation_batch(items, self.state_key, self.image_keys)
 
     def predict(self, items: list[PredictItem]) -> list[Prediction]:
         """One prediction per item, in order: its chunk [T, A_data] in the dataset's units (and, ``sde``, its

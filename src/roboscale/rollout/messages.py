@@ -112,10 +112,10 @@ class WeightsLoaded(NamedTuple):
 
 class Stats(NamedTuple):
     name: str
-    stats: dict[str, float]
+    stats: dict[str, Any]
     """Counts and seconds since the last report, by ``RolloutStats`` field name (a worker's: env_steps, sim_s,
-    render_s, inference_s, ..., worker_wait_s; a server's: inference_s, ..., batch_sizes and batch_reasons as
-    dicts of counts)."""
+    render_s, inference_s, ..., worker_wait_s; a server's: inference_s, ..., server_cpu_s, and ``batching``, its
+    batcher's ``BatcherStats``)."""
 
 
 class Failed(NamedTuple):

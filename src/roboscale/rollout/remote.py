@@ -6,21 +6,25 @@ observations of every environment of every worker together. A request carries th
 chunk's index, so the server draws the same noise as local inference would (``rollout.noise``) and every episode
 ends as it does locally. The server speaks openpi's protocol (``roboscale serve``), so this is also how a
 simulator whose dependencies clash with the policy's is evaluated from a venv of its own.
+
+``RemotePolicy`` is a ``Predictor`` (``rollout.predictor``), so a worker holds either it or a ``PolicyRunner``
+and asks the same way. The connection and the codec are the transport's (``transport.websocket``,
+``transport.wire``), which knows nothing of the rollout; what is here is the rollout's side of it: a
+``PredictItem`` as a message in the server's keys, and an answer as a ``Prediction``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from roboscale.errors import ConfigError, WorkerError
+from roboscale.errors import WorkerError
 from roboscale.rollout.inference import Prediction, PredictItem
-from roboscale.rollout.wire import WireError, pack, unpack
-
-CONNECT_TIMEOUT_S = 30.0
+from roboscale.transport.websocket import connect
+from roboscale.transport.wire import pack, unpack
 
 
 @dataclass(frozen=True)
@@ -34,50 +38,6 @@ class RemoteSettings:
 
     def build(self) -> RemotePolicy:
         return RemotePolicy(self.url, self.api_key, self.timeout_s)
-
-
-def read_key(path: str, option: str) -> str:
-    """The API key in the first line of ``path`` ('' for no path)."""
-    if not path:
-        return ""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{option}: cannot read {path} ({exc})") from None
-    if not lines or not lines[0].strip():
-        raise ConfigError(f"{option}: {path} is empty (its first line is the key)")
-    return lines[0].strip()
-
-
-def require_websockets(what: str) -> None:
-    """ConfigError naming the extra to install when the websockets package is missing."""
-    try:
-        import websockets  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"{what} needs the websockets package: pip install 'roboscale[serve]'") from None
-
-
-def connect(url: str, api_key: str = "", timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[Any, dict[str, Any]]:
-    """A websocket to the policy server at ``url`` and the metadata it sends first; WorkerError saying why not."""
-    require_websockets("--rollout.server")
-    from websockets.exceptions import InvalidStatus, WebSocketException
-    from websockets.sync.client import connect as ws_connect
-
-    headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
-    try:
-        ws = ws_connect(url, compression=None, max_size=None, additional_headers=headers, open_timeout=timeout_s,
-                        legacy=True)  # a connection held open across calls, closed by ``close``
-        metadata = unpack(ws.recv(timeout=timeout_s))
-    except InvalidStatus as exc:
-        code = exc.response.status_code
-        hint = " (wrong or missing API key: --rollout.server_api_key_file)" if code == 401 else ""
-        raise WorkerError(f"the policy server at {url} refused the connection: HTTP {code}{hint}") from None
-    except (OSError, TimeoutError, WebSocketException, WireError) as exc:
-        raise WorkerError(f"cannot reach the policy server at {url} ({type(exc).__name__}: {exc})") from None
-    if not isinstance(metadata, dict) or "keys" not in metadata:
-        ws.close()
-        raise WorkerError(f"{url} is not a roboscale policy server (its metadata has no 'keys')")
-    return ws, metadata
 
 
 def observation_message(item: PredictItem, keys: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +54,7 @@ def observation_message(item: PredictItem, keys: dict[str, Any]) -> dict[str, An
 
 
 class RemotePolicy:
-    """``PolicyRunner``'s ``predict`` over websockets: one connection per environment slot, all asked at once."""
+    """A ``Predictor`` over websockets: one connection per environment slot, all asked at once."""
 
     def __init__(self, url: str, api_key: str = "", timeout_s: float = 120.0):
         self.url, self.api_key, self.timeout_s = url, api_key, timeout_s
@@ -127,10 +87,11 @@ class RemotePolicy:
             predictions.append(Prediction(np.asarray(answer["actions"]), None, int(answer.get("policy_version", 0))))
         return predictions
 
-    def load_state(self, state: Any, version: int) -> None:
+    def load_state(self, state: Mapping[str, Any], version: int) -> None:
         raise WorkerError("weights cannot be published to a remote policy server (--rollout.server)")
 
     def close(self) -> None:
+        """Close every connection (a later ``predict`` opens them again)."""
         for ws in self.connections.values():
             ws.close()
         self.connections.clear()

@@ -145,7 +145,6 @@ class _Server:
                     cpu, self.cpu_reported = cpu_now - self.cpu_reported, cpu_now
                     self.events.put(messages.Stats(self.s.name, {
                         "inference_s": stats.seconds, "inference_calls": stats.calls, "observations": stats.items,
-                        "server_cpu_s": cpu, "server_idle_s": stats.idle_s, "batch_fill_s": stats.fill_s,
-                        "batch_sizes": dict(stats.sizes), "batch_reasons": dict(stats.reasons)}))
+                        "server_cpu_s": cpu, "batching": stats}))
                 case messages.Stop():
                     self._stop()

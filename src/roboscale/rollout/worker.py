@@ -37,6 +37,7 @@ from roboscale.rollout.queues import ActionQueue
 from roboscale.rollout.remote import RemoteSettings
 from roboscale.rollout.trajectory import TrajectoryRecorder
 from roboscale.rollout.weights import decode_state
+from roboscale.sim.env import EnvRequest
 
 STATS = ("env_steps", "sim_s", "render_s", "inference_s", "inference_calls", "observations", "envs_made",
          "env_make_s", "worker_cpu_s", "worker_wait_s")
@@ -50,8 +51,8 @@ class WorkerSettings:
     generation: int
     """Replies of an earlier pool (a restart after a crash) carry another generation and are dropped."""
     env: str
-    env_options: dict[str, Any]
-    """``make(task, **env_options)``: image_size, cameras, max_steps."""
+    env_request: EnvRequest
+    """What each environment is built with (``EnvSpec.make(task, env_request)``)."""
     envs: int
     sub_batches: int
     n_action_steps: int
@@ -146,7 +147,7 @@ class _EnvWorker:
             self._close_env(slot)
         while self.spare:
             self._close(self.spare.pop())
-        if hasattr(self.local, "close"):  # a remote server's connections
+        if self.local is not None:  # a remote server's connections (every Predictor has close)
             self.local.close()
 
     def _advance(self, g: int, group: list[_Slot]) -> bool:
@@ -297,7 +298,7 @@ class _EnvWorker:
     # --- environments: built once per task, kept while they may be needed again ---------------------------------
     def _make(self, task: str) -> Any:
         start = time.perf_counter()
-        env = self.spec.make(task, **self.s.env_options)
+        env = self.spec.make(task, self.s.env_request)
         self.stats["env_make_s"] += time.perf_counter() - start
         self.stats["envs_made"] += 1
         return env

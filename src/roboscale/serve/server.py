@@ -1,9 +1,19 @@
-"""`roboscale serve`: a policy behind openpi's websocket policy protocol, for robots and remote simulators.
+"""The policy server: a ``Predictor`` behind openpi's websocket policy protocol, for robots and remote simulators.
 
-The protocol is openpi's (``openpi_client.WebsocketClientPolicy`` drives it unchanged): on connect the server sends
-its metadata (msgpack); each binary message is a msgpack-numpy observation (``rollout.wire``) and its answer a map
-with ``actions`` [chunk, action_dim] in the dataset's units plus ``server_timing``; a bad request is answered with
-a text frame (which the client raises) and the connection stays usable. ``GET /healthz`` answers 200.
+``PolicyServer(predictor, layout, metadata, options)`` serves what it is given, as openpi's server serves a policy:
+a ``Predictor`` (``rollout.predictor``; `roboscale serve` gives it a checkpoint's ``PolicyRunner``, a test a fake),
+an ``ObservationLayout`` (which client key feeds which input, ``serve.observation``), the metadata each client
+gets on connect (the layout's ``keys`` added) and ``ServerOptions`` (where to listen, the API key, the limits, the
+batching). Where those come from (resolving, hashing and loading a checkpoint) is the command's (``serve.command``).
+
+The protocol is openpi's (``transport.websocket``; ``openpi_client.WebsocketClientPolicy`` drives it unchanged): on
+connect the server sends its metadata (msgpack); each binary message is a msgpack-numpy observation
+(``transport.wire``) and its answer a map with ``actions`` [chunk, action_dim] in the dataset's units plus
+``server_timing``; a bad request is answered with a text frame (which the client raises) and the connection stays
+usable. ``GET /healthz`` answers 200. This module is the websocket transport's server end; it sits here, not in
+``roboscale.transport``, because it serves through the rollout's batcher and a ``Predictor``, which that low package
+does not know. A second transport (gRPC, say) is one module beside this one, over the same batcher, predictor and
+layout.
 
 One process, two threads with one job each: the asyncio loop (a thread of its own) owns every connection (a slow,
 stalled or vanished client only ever blocks its own handler), and the thread that calls ``run`` (the main one)
@@ -37,24 +47,49 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from roboscale.configs.serve import ServeConfig
 from roboscale.errors import ConfigError
 from roboscale.rollout.batcher import DynamicBatcher
-from roboscale.rollout.inference import Prediction, PredictItem, RunnerSettings, inference_threads
-from roboscale.rollout.remote import read_key, require_websockets
-from roboscale.rollout.wire import WireError, WireLimits, pack, unpack
+from roboscale.rollout.inference import Prediction, PredictItem
+from roboscale.rollout.predictor import Predictor
 from roboscale.serve.observation import ObservationError, ObservationLayout
+from roboscale.transport.websocket import HEALTH_PATH, is_loopback, require_websockets
+from roboscale.transport.wire import WireError, WireLimits, pack, unpack
 
 log = logging.getLogger(__name__)
 
-HEALTH_PATH = "/healthz"
+__all__ = ["HEALTH_PATH", "PolicyServer", "ServerOptions"]
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where the server listens and what it takes (`roboscale serve` fills them from its options)."""
+
+    host: str = "127.0.0.1"
+    """Anything but a loopback interface needs an ``api_key`` (checked here, so no caller can forget it)."""
+    port: int = 8000
+    """0: any free port (``PolicyServer.address`` once ready)."""
+    api_key: str | None = None
+    """What clients send as ``Authorization: Api-Key KEY`` (None: no key)."""
+    max_message_bytes: int = 4 * 2 ** 20
+    """A larger message closes its connection (1009) before it is read."""
+    limits: WireLimits = field(default_factory=WireLimits)
+    """What one decoded message may hold (its strings: the prompt)."""
+    max_batch_size: int = 16
+    batch_timeout_ms: float = 5.0
+    shutdown_grace_s: float = 10.0
+    """On stop: how long requests in flight get to be answered before the connections close."""
+
+    def __post_init__(self) -> None:
+        if self.api_key is None and not is_loopback(self.host):
+            raise ConfigError(f"--host={self.host} listens beyond this machine: give --api_key_file (clients then "
+                              "send 'Authorization: Api-Key KEY'), or serve on 127.0.0.1")
 
 
 @dataclass
@@ -78,39 +113,19 @@ class _Connection:
 
 
 class PolicyServer:
-    """``PolicyServer(cfg).run()`` serves until SIGINT/SIGTERM (in the main thread) or ``stop()``."""
+    """``PolicyServer(predictor, layout, metadata, options).run()`` serves until SIGINT/SIGTERM (in the main thread)
+    or ``stop()``. The predictor runs on the thread that calls ``run`` (build it there: see ``run``); the server
+    neither loads nor closes it."""
 
-    def __init__(self, cfg: ServeConfig, on_ready: Callable[[str, int], None] | None = None):
-        from roboscale.config import to_dict
-        from roboscale.models.policy import resolve_checkpoint
-        from roboscale.utils.io import sha256_file
-
-        self.cfg = cfg
+    def __init__(self, predictor: Predictor, layout: ObservationLayout, metadata: Mapping[str, Any],
+                 options: ServerOptions | None = None, on_ready: Callable[[str, int], None] | None = None):
         require_websockets("roboscale serve")
-        if not cfg.checkpoint:
-            raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or "
-                              "pretrained_model)")
-        self.api_key = read_key(cfg.api_key_file, "--api_key_file") or None
-        if self.api_key is None and not cfg.loopback:
-            raise ConfigError(f"--host={cfg.host} listens beyond this machine: give --api_key_file (clients then "
-                              "send 'Authorization: Api-Key KEY'), or serve on 127.0.0.1")
-        checkpoint = resolve_checkpoint(cfg.checkpoint)
-        settings = RunnerSettings(str(checkpoint), cfg.runner.device, inference_threads(cfg.runner.threads, 1),
-                                  rtc_schedule=cfg.rtc_schedule, rtc_max_guidance=cfg.rtc_max_guidance)
-        self.runner = settings.build()  # a bad checkpoint fails here, before the port is opened
-        policy_cfg = self.runner.policy.config
-        self.layout = ObservationLayout.for_policy(self.runner.policy, cfg.keys, cfg.key_map, cfg.rtc,
-                                                   cfg.max_prompt_chars)
-        # a message's strings: the prompt (up to 4 UTF-8 bytes a character) and short keys
-        self.limits = WireLimits(max_str_bytes=max(4 * cfg.max_prompt_chars, 1024),
-                                 option=f"--max_prompt_chars={cfg.max_prompt_chars}")
-        self.metadata = {
-            "server": "roboscale", "policy": self.runner.policy.name, "checkpoint": str(checkpoint),
-            "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"),
-            "policy_config": to_dict(policy_cfg), "n_action_steps": policy_cfg.n_action_steps,
-            "keys": self.layout.describe(), "rtc": cfg.rtc, "device": str(self.runner.device),
-        }
-        self.batcher = DynamicBatcher(self._predict, cfg.runner.max_batch_size, cfg.runner.batch_timeout_ms,
+        self.predictor = predictor
+        self.layout = layout
+        self.options = options if options is not None else ServerOptions()
+        # the layout is what a client must send: its keys travel with whatever else the caller says
+        self.metadata = {**metadata, "keys": layout.describe()}
+        self.batcher = DynamicBatcher(self._predict, self.options.max_batch_size, self.options.batch_timeout_ms,
                                       producers=0)
         self.on_ready = on_ready
         self.address: tuple[str, int] | None = None
@@ -151,14 +166,14 @@ class PolicyServer:
                 pass
         finally:
             self.stop()
-            connections.join(timeout=self.cfg.shutdown_grace_s + 30)
+            connections.join(timeout=self.options.shutdown_grace_s + 30)
             self._parsing.shutdown(wait=False, cancel_futures=True)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         if failure:
             if isinstance(failure[0], OSError) and failure[0].errno == errno.EADDRINUSE:
-                raise ConfigError(f"--port={self.cfg.port}: already in use on {self.cfg.host} (another server?); "
-                                  "choose another port, or 0 for any free one") from None
+                raise ConfigError(f"--port={self.options.port}: already in use on {self.options.host} (another "
+                                  "server?); choose another port, or 0 for any free one") from None
             raise failure[0]
 
     def stop(self) -> None:
@@ -177,13 +192,14 @@ class PolicyServer:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested.is_set():
             return
-        async with serve(self._handle, self.cfg.host, self.cfg.port, compression=None,
-                         max_size=int(self.cfg.max_message_mb * 2 ** 20),
-                         process_request=self._check_request) as server:
+        async with serve(self._handle, self.options.host, self.options.port, compression=None,
+                         max_size=self.options.max_message_bytes, process_request=self._check_request) as server:
             host, port = server.sockets[0].getsockname()[:2]
             self.address = (host, port)
-            log.info("serving %s (%s) on ws://%s:%d%s", self.metadata["policy"], self.metadata["checkpoint"],
-                     host, port, "" if self.api_key is None else " (API key required)")
+            what = self.metadata.get("policy", type(self.predictor).__name__)
+            where = f" ({self.metadata['checkpoint']})" if "checkpoint" in self.metadata else ""
+            log.info("serving %s%s on ws://%s:%d%s", what, where, host, port,
+                     "" if self.options.api_key is None else " (API key required)")
             if self.on_ready is not None:
                 self.on_ready(host, port)
             await self._stop.wait()
@@ -200,7 +216,7 @@ class PolicyServer:
         log.info("shutting down: %d connections, %d requests in flight", len(self._connections), self._in_flight)
         server.close(close_connections=False)  # no new connections
         self._draining = True
-        deadline = time.monotonic() + self.cfg.shutdown_grace_s
+        deadline = time.monotonic() + self.options.shutdown_grace_s
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self.batcher.close()  # anything still waiting is answered with an error
@@ -211,7 +227,7 @@ class PolicyServer:
     # --- the model (on the thread that calls run) ----------------------------------------------------------
     def _predict(self, items: list[PredictItem]) -> list[_Answer]:
         start = time.perf_counter()
-        predictions = self.runner.predict(items)
+        predictions = self.predictor.predict(items)
         infer_ms = (time.perf_counter() - start) * 1000
         return [_Answer(p, infer_ms, len(items)) for p in predictions]
 
@@ -222,7 +238,7 @@ class PolicyServer:
 
         if request.path == HEALTH_PATH:
             return connection.respond(http.HTTPStatus.OK, "OK\n")
-        if self.api_key is not None:
+        if self.options.api_key is not None:
             try:
                 given = request.headers.get("Authorization", "")
             except MultipleValuesError:  # two Authorization headers are no key at all
@@ -231,7 +247,7 @@ class PolicyServer:
                 log.warning("refused %s: more than one Authorization header", _peer(connection))
                 return connection.respond(http.HTTPStatus.UNAUTHORIZED,
                                           "send exactly one 'Authorization: Api-Key KEY' header\n")
-            if not hmac.compare_digest(given.encode(), f"Api-Key {self.api_key}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Api-Key {self.options.api_key}".encode()):
                 log.warning("refused %s: %s API key", _peer(connection), "a wrong" if given else "no")
                 return connection.respond(http.HTTPStatus.UNAUTHORIZED,
                                           "an API key is required: send 'Authorization: Api-Key KEY'\n")
@@ -301,7 +317,7 @@ class PolicyServer:
 
     def _parse(self, message: bytes) -> PredictItem:
         """A message as the model's input (on a parsing thread): decoded within the limits, checked, images fitted."""
-        return self.layout.parse(unpack(message, self.limits), default_seed=secrets.randbits(63))
+        return self.layout.parse(unpack(message, self.options.limits), default_seed=secrets.randbits(63))
 
     async def _infer(self, item: PredictItem) -> _Answer:
         loop = asyncio.get_running_loop()
@@ -329,11 +345,3 @@ def _peer(connection: Any) -> str:
     address = getattr(connection, "remote_address", None)
     return f"{address[0]}:{address[1]}" if address else "?"
 
-
-def serve_policy(cfg: ServeConfig) -> None:
-    """`roboscale serve`: build the server (a bad checkpoint or option fails before the port opens) and run it."""
-    def ready(host: str, port: int) -> None:
-        print(f"serving on ws://{host}:{port} (health: http://{host}:{port}{HEALTH_PATH}); Ctrl-C stops",
-              flush=True)
-
-    PolicyServer(cfg, on_ready=ready).run()

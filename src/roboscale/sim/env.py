@@ -54,13 +54,28 @@ class Env(Protocol):
 
 
 @dataclass(frozen=True)
+class EnvRequest:
+    """What a caller asks of the environments it builds (``EnvSpec.make(task, request)``): the same for every task
+    of a run, so it travels once to each env worker."""
+
+    image_size: int = 64
+    """Height and width of every camera's frames (the policy's image size)."""
+    cameras: dict[str, str] = field(default_factory=dict)
+    """Dataset camera name (``observation.images.<name>``) -> the simulator's camera (``EnvSpec.sim_cameras``);
+    empty: no images."""
+    max_steps: int = 0
+    """The episode's step limit (0: the adapter's limit for the task)."""
+    state_feature: str = "observation.state"
+    """The dataset feature the observation's ``state`` is (one of the spec's ``state_features``)."""
+    options: Any = None
+    """The adapter's own options: an instance of ``EnvSpec.options`` (``parse_options``), or None."""
+
+
+@dataclass(frozen=True)
 class EnvSpec:
     name: str
-    make: Callable[..., Env]
-    """``make(task, image_size=..., cameras={name: sim camera}, max_steps=..., state_feature=..., options=...)
-    -> Env``; the observation's ``state`` is the dataset feature ``state_feature`` names (one of
-    ``state_features``); ``max_steps`` 0 is the adapter's limit for the task; ``options`` an instance of
-    ``options`` (``parse_options``)."""
+    make: Callable[[str, EnvRequest], Env]
+    """``make(task, request) -> Env``: an environment of one task, as ``request`` asks."""
     resolve_tasks: Callable[[Sequence[str]], list[str]]
     """Task and suite names as a user writes them -> the env's task names (a ConfigError for unknown ones)."""
     instruction: Callable[[str], str]

@@ -21,7 +21,7 @@ import numpy as np
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.errors import ConfigError, RoboscaleError
-from roboscale.sim.env import Env, EnvSpec, env_spec, episode_seed
+from roboscale.sim.env import Env, EnvRequest, EnvSpec, env_spec, episode_seed
 from roboscale.utils.imports import load
 from roboscale.utils.lifetime import run_owned, signals_deferred
 
@@ -128,8 +128,9 @@ def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:
     kept = 0
     attempt = 0
     max_attempts = cfg.max_attempts or 4 * cfg.episodes_per_task + 10
-    env = spec.make(task, image_size=cfg.image_size, cameras=cameras_of(cfg, spec),
-                    max_steps=cfg.max_episode_steps or experts.max_steps, options=spec.parse_options(cfg.env_options))
+    env = spec.make(task, EnvRequest(image_size=cfg.image_size, cameras=cameras_of(cfg, spec),
+                                     max_steps=cfg.max_episode_steps or experts.max_steps,
+                                     options=spec.parse_options(cfg.env_options)))
     try:
         while kept < cfg.episodes_per_task:
             if attempt >= max_attempts:

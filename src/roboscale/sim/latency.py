@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from roboscale.sim.env import Env, EnvSpec, Step
+from roboscale.sim.env import Env, EnvRequest, EnvSpec, Step
 
 Z_99 = 2.3263478740408408  # the standard normal's 99th percentile
 
@@ -66,8 +66,8 @@ class SlowEnv:
 def with_latency(spec: EnvSpec, latency: StepLatency, name: str) -> EnvSpec:
     """``spec`` whose environments are ``SlowEnv``s. ``name``: how ``env_spec`` finds it (``module:ATTRIBUTE``; the
     rollout workers receive the name alone)."""
-    def make(task: str, **options: Any) -> SlowEnv:
-        return SlowEnv(spec.make(task, **options), latency)
+    def make(task: str, request: EnvRequest) -> SlowEnv:
+        return SlowEnv(spec.make(task, request), latency)
 
     return dataclasses.replace(spec, name=name, make=make)
 

@@ -45,7 +45,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from roboscale.errors import ConfigError  # noqa: E402
-from roboscale.sim.env import EnvSpec, Step, expand_tasks  # noqa: E402
+from roboscale.sim.env import EnvRequest, EnvSpec, Step, expand_tasks  # noqa: E402
 from roboscale.sim.rendering import CameraRenderer  # noqa: E402
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
@@ -265,9 +265,9 @@ def _as_lerobot(camera: str, image: np.ndarray) -> np.ndarray:
     return image[:, ::-1]
 
 
-def make_env(task: str, *, image_size: int = 128, cameras: dict[str, str] | None = None, max_steps: int = 0,
-             state_feature: str = "observation.state", options: LiberoOptions | None = None) -> LiberoEnv:
-    return LiberoEnv(task, image_size, {} if cameras is None else cameras, max_steps, state_feature, options)
+def make_env(task: str, request: EnvRequest) -> LiberoEnv:
+    return LiberoEnv(task, request.image_size, dict(request.cameras), request.max_steps, request.state_feature,
+                     request.options)
 
 
 ENV_SPEC = EnvSpec("libero", make_env, resolve_tasks, instruction, state_features=("observation.state",),

@@ -20,7 +20,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from roboscale.errors import ConfigError  # noqa: E402
-from roboscale.sim.env import EnvSpec, Step, expand_tasks  # noqa: E402
+from roboscale.sim.env import EnvRequest, EnvSpec, Step, expand_tasks  # noqa: E402
 from roboscale.sim.rendering import CameraRenderer  # noqa: E402
 
 TASK_DESCRIPTIONS: dict[str, str] = {
@@ -244,10 +244,10 @@ def _upright(camera: str, image: np.ndarray) -> np.ndarray:
     return np.flip(image, (0, 1)) if camera in FLIPPED_CAMERAS else image
 
 
-def make_env(task: str, *, image_size: int = 64, cameras: dict[str, str] | None = None,
-             max_steps: int = 0, state_feature: str = "observation.state", options: None = None) -> MetaWorldEnv:
-    render = RenderConfig(image_size, image_size, dict(cameras) if cameras is not None else {})
-    return MetaWorldEnv(task, render, max_episode_steps=max_steps or EPISODE_LIMIT, state_feature=state_feature)
+def make_env(task: str, request: EnvRequest) -> MetaWorldEnv:
+    render = RenderConfig(request.image_size, request.image_size, dict(request.cameras))
+    return MetaWorldEnv(task, render, max_episode_steps=request.max_steps or EPISODE_LIMIT,
+                        state_feature=request.state_feature)
 
 
 def catalog() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:

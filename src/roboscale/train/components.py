@@ -19,8 +19,29 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from roboscale.configs.train import TrainerConfig
+    from roboscale.distributed.env import DistributedEnv
+    from roboscale.distributed.mesh import ParallelPlan
     from roboscale.models.policy import Policy
-    from roboscale.train.trainer import Trainer
+
+
+class TrainerView(Protocol):
+    """What a job and its step hooks see of the Trainer that runs them (``train.trainer.Trainer`` is one): this
+    module names no Trainer, so a job depends on the loop's state, not on the loop."""
+
+    cfg: TrainerConfig
+    """The run's options (the job's own config: a TrainConfig, an RLConfig)."""
+    env: DistributedEnv
+    plan: ParallelPlan
+    policy: Policy
+    """The plain policy (its parallelized wrapper is the Trainer's business)."""
+    output_dir: Path
+    resume_from: Path | None
+    """The checkpoint being resumed, or None."""
+    step: int
+    """Optimizer steps applied so far."""
 
 
 @runtime_checkable
@@ -67,7 +88,7 @@ names for every micro-batch, step and rank; ``loss_weight``, ``tokens``, ``compu
 optional attribute ``objective.summed: frozenset[str]`` are summed over micro-batches and ranks, every other one is
 a ``loss_weight``-weighted mean (``loss`` among them: the returned loss when the metrics do not name it)."""
 
-StepHook = Callable[["Trainer"], None]
+StepHook = Callable[[TrainerView], None]
 """Called with the trainer after every optimizer step that was applied (never after a skipped NaN/Inf step), on
 every rank, once ``trainer.step`` counts that step."""
 
@@ -90,11 +111,11 @@ class TrainingJob(Protocol):
     """Samples per optimizer step over all ranks (the global batch: what telemetry counts, what the ranks share):
     ``--batch_size`` for supervised training, one rollout's episodes for RL."""
 
-    def build_policy(self, trainer: Trainer, resumed: Policy | None) -> Policy:
+    def build_policy(self, trainer: TrainerView, resumed: Policy | None) -> Policy:
         """The policy to train. ``resumed``: the checkpoint's policy (its weights are restored later, with the
         optimizer) when the run resumes, else None."""
         ...
 
-    def build(self, trainer: Trainer) -> TrainingComponents:
+    def build(self, trainer: TrainerView) -> TrainingComponents:
         """Data, objective, hooks and extra state, once ``trainer.policy`` exists."""
         ...

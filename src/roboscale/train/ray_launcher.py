@@ -92,7 +92,7 @@ def _worker_error(exc: BaseException) -> dict[str, Any] | None:
 
 def _worker_loop(loop_config: dict[str, Any]) -> None:
     """On each Ray worker: the training, resuming if this is a restart after a failure."""
-    from roboscale.train.trainer import train
+    from roboscale.train.supervised import train
 
     cfg = from_dict(TrainConfig, loop_config["config"])
     try:

@@ -12,19 +12,32 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from roboscale.configs.train import DatasetConfig, TrainConfig
 from roboscale.errors import ConfigError
-from roboscale.train.components import TrainingComponents
+from roboscale.train.components import TrainerView, TrainingComponents, TrainingJob
 
 if TYPE_CHECKING:
+    from roboscale.data.loading.loader import StreamingLoader
+    from roboscale.data.loading.meta import SourceMeta
+    from roboscale.data.loading.source import FrameSource
     from roboscale.models.policy import Policy
-    from roboscale.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False, job: TrainingJob | None = None
+          ) -> Path:
+    """`roboscale train`: train and return the final checkpoint's ``pretrained_model`` directory. ``restartable``:
+    this process may be a restart of a failed one (a launcher's retry), so resume if a checkpoint exists.
+    ``job``: what to train on and how (default: ``SupervisedJob(cfg)``, supervised training on ``cfg.dataset``)."""
+    from roboscale.train.trainer import Trainer
+
+    return Trainer(cfg, job or SupervisedJob(cfg), progress=progress, restartable=restartable).fit()
 
 
 class SupervisedJob:
@@ -34,11 +47,11 @@ class SupervisedJob:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.batch_size = cfg.batch_size
-        self.sources: list[Any] = []
+        self.sources: list[FrameSource] = []
         self.weights: list[float | None] = []
-        self.meta: Any = None  # the sources' SourceMeta
+        self.meta: SourceMeta | None = None
 
-    def build_policy(self, trainer: Trainer, resumed: Policy | None) -> Policy:
+    def build_policy(self, trainer: TrainerView, resumed: Policy | None) -> Policy:
         cfg = self.cfg
         if trainer.resume_from is not None:  # the options this command may not change on a resume, each named
             from roboscale.train.resume import check_resume, resuming, saved_config
@@ -50,7 +63,7 @@ class SupervisedJob:
         cfg.policy = policy.config
         return policy
 
-    def _policy(self, trainer: Trainer, resumed: Policy | None) -> Policy:
+    def _policy(self, trainer: TrainerView, resumed: Policy | None) -> Policy:
         from roboscale.data.loading.loader import check_sources
         from roboscale.data.loading.meta import source_meta
         from roboscale.models.registry import build_policy, fit_to_dataset
@@ -73,7 +86,7 @@ class SupervisedJob:
             return policy_for_finetuning(cfg.policy, self.meta)
         return build_policy(cfg.policy, self.meta)
 
-    def build(self, trainer: Trainer) -> TrainingComponents:
+    def build(self, trainer: TrainerView) -> TrainingComponents:
         from roboscale.models.registry import get_spec
 
         policy = trainer.policy
@@ -88,33 +101,28 @@ class SupervisedJob:
                      loader.batches_per_epoch, loader.num_workers, trainer.env.world_size, trainer.plan.strategy)
         return TrainingComponents(data=loader, objective=objective)
 
-    def build_loader(self, trainer: Trainer) -> Any:
-        from roboscale.data.loading.loader import build_loader
+    def build_loader(self, trainer: TrainerView) -> StreamingLoader:
+        from roboscale.data.loading.loader import LoaderConfig, build_loader
 
         cfg, policy, data, meta = self.cfg, trainer.policy, self.cfg.dataset, self.meta
         policy_cfg = policy.config
         transform, collate = policy.data_transforms()
+        loading = LoaderConfig(
+            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=loader_workers(data.num_workers),
+            prefetch_factor=data.prefetch_factor, chunk_frames=data.chunk_frames,
+            block_samples=block_samples(data, meta.features, list(policy_cfg.image_keys), cfg.batch_size),
+            skip_bad_episodes=data.skip_bad_episodes,
+            check=False)  # check_sources ran before the policy was built
         return build_loader(
-            self.sources if not data.mixture else list(zip(self.sources, self.weights, strict=True)),
-            batch_size=cfg.batch_size,
-            rank=trainer.env.rank,
-            world_size=trainer.plan.dp_size,
-            num_workers=loader_workers(data.num_workers),
+            self.sources if not data.mixture else list(zip(self.sources, self.weights, strict=True)), loading,
+            rank=trainer.env.rank, world_size=trainer.plan.dp_size,
             # LeRobot's delta_timestamps, from the policy's frame offsets
             delta_timestamps={key: [i / meta.fps for i in idx] for key, idx in policy.delta_indices().items()},
             keys=[*policy_cfg.image_keys, policy_cfg.state_key, policy_cfg.action_key],
-            seed=cfg.seed,
-            transform=transform,
-            collate=collate,
-            prefetch_factor=data.prefetch_factor,
-            block_samples=block_samples(data, meta.features, list(policy_cfg.image_keys), cfg.batch_size),
-            chunk_frames=data.chunk_frames,
-            skip_bad_episodes=data.skip_bad_episodes,
-            check=False,  # check_sources ran before the policy was built
-        )
+            transform=transform, collate=collate)
 
 
-def open_sources(data: DatasetConfig) -> tuple[list[Any], list[str], list[float | None]]:
+def open_sources(data: DatasetConfig) -> tuple[list[FrameSource], list[str], list[float | None]]:
     """The dataset's sources (one, or a mixture's), their names and mixture weights."""
     from roboscale.data.loading.source import open_source
 

@@ -3,8 +3,8 @@ process or on the data-parallel ranks torchrun or Ray Train started.
 
 ``Trainer(cfg, job).fit()`` goes build -> parallelize -> restore -> loop, and the loop calls its hooks (logging,
 checkpointing, polling the evaluation that runs beside training: ``train/evaluation.py``) after every step. What
-is trained on and how comes from the job (``train/components.py``; by default ``SupervisedJob``,
-``train/supervised.py``): the policy is driven only through the Policy contract and the job's objective, the
+is trained on and how comes from the job (``train/components.py``: ``SupervisedJob`` in ``train/supervised.py``,
+whose ``train(cfg)`` is `roboscale train`; ``RLJob`` in ``rl/job.py``): the policy is driven only through the Policy contract and the job's objective, the
 data only through its ``DataSource`` (``next``, ``state_dict``), and the job's step hooks run after each applied
 optimizer step; parallelism is applied to the plain policy from outside (``roboscale.distributed.parallelize``).
 
@@ -31,13 +31,13 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from roboscale.config import save_yaml
-from roboscale.configs.train import OptimizerConfig, TrainConfig, TrainerConfig
+from roboscale.configs.train import OptimizerConfig, TrainerConfig
 from roboscale.distributed.env import DistributedEnv, init_distributed
 from roboscale.errors import ConfigError, TrainingError
 from roboscale.train.components import (
@@ -52,31 +52,27 @@ from roboscale.train.components import (
 from roboscale.train.resume import resume_checkpoint, resuming
 from roboscale.utils.io import exclusive_lock
 
+if TYPE_CHECKING:
+    from roboscale.distributed.mesh import ParallelPlan
+    from roboscale.models.policy import Policy
+    from roboscale.train.checkpoint import CheckpointWriter
+    from roboscale.train.evaluation import EvaluationScheduler
+    from roboscale.train.telemetry import Telemetry
+
 log = logging.getLogger(__name__)
 
 RESTARTED = "TORCHELASTIC_RESTART_COUNT"
 """torchrun's count of restarts (``--max-restarts``): a restarted run resumes from its last checkpoint."""
 
 
-def train(cfg: TrainConfig, progress: bool = True, restartable: bool = False, job: TrainingJob | None = None
-          ) -> Path:
-    """Train and return the final checkpoint's ``pretrained_model`` directory. ``restartable``: this process may
-    be a restart of a failed one (a launcher's retry), so resume if a checkpoint exists. ``job``: what to train
-    on and how (default: supervised training on ``cfg.dataset``)."""
-    return Trainer(cfg, job, progress=progress, restartable=restartable).fit()
-
-
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, job: TrainingJob | None = None, *, progress: bool = True,
+    def __init__(self, cfg: TrainerConfig, job: TrainingJob, *, progress: bool = True,
                  restartable: bool = False, eval_command: Callable[[Path, Path], list[str]] | None = None):
         """``cfg``: the Trainer's options (a ``TrainConfig`` or ``RLConfig``: what the job trains on is the job's).
-        ``job``: the policy, data, objective, hooks and extra state (default: ``SupervisedJob(cfg)``).
+        ``job``: the policy, data, objective, hooks and extra state (``train.supervised.SupervisedJob``,
+        ``rl.job.RLJob``).
         ``eval_command``: (checkpoint, report directory) -> the argv that evaluates a checkpoint during
         training (default: ``roboscale eval`` with the ``--eval.*`` options)."""
-        if job is None:
-            from roboscale.train.supervised import SupervisedJob
-
-            job = SupervisedJob(cfg)
         self.cfg = cfg
         self.job = job
         self.output_dir = Path(cfg.output_dir)
@@ -84,10 +80,10 @@ class Trainer:
         self.restartable = restartable or int(os.environ.get(RESTARTED, "0") or 0) > 0
         self.resume_from: Path | None = None
         self.env = DistributedEnv()
-        self.plan: Any = None
+        self.plan: ParallelPlan | None = None
         self.step = 0
-        self.policy: Any = None  # the plain Policy (parallelize wraps it in self.module)
-        self.module: Any = None
+        self.policy: Policy | None = None  # the plain Policy (parallelize wraps it in self.module)
+        self.module: torch.nn.Module | None = None
         self.components: TrainingComponents | None = None
         self.loader: DataSource | None = None  # the job's data (components.data; the name callers know)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -98,14 +94,14 @@ class Trainer:
         self.stateful: dict[str, Stateful] = {}
         """What checkpoints keep by name (``training_state/<name>_state.json``): ``trainer`` (this trainer's
         ``state_dict``), ``loader`` (the data), then the job's entries."""
-        self.telemetry: Any = None
+        self.telemetry: Telemetry | None = None
         self.ema: dict[str, torch.Tensor] = {}
         self.skipped_steps = 0
         self._nonfinite_in_a_row = 0
         self._agreed_metrics: tuple[str, ...] | None = None  # the objective's metric names, as at the first step
         self.eval_command = eval_command
-        self.evaluations: Any = None  # rank 0's EvaluationScheduler, with --eval.every
-        self.checkpoints: Any = None  # a CheckpointWriter
+        self.evaluations: EvaluationScheduler | None = None  # rank 0's, with --eval.every
+        self.checkpoints: CheckpointWriter | None = None
 
     def fit(self) -> Path:
         self.env = init_distributed(self.cfg.parallel.timeout_s, self.cfg.num_threads)
@@ -232,7 +228,7 @@ class Trainer:
             if self.env.is_main:
                 log.info("fp8: %d Linear layers converted", len(converted))
             if self.plan.sharded:  # the next forward's scales of the FP8-gathered weights
-                own.append(lambda trainer: fp8_after_optimizer_step(trainer.policy))
+                own.append(lambda _: fp8_after_optimizer_step(self.policy))
         self.module = parallelize(self.policy, self.objective, self.plan, build_mesh(self.plan, self.env),
                                   device=self.env.device, precision=cfg.precision,
                                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
@@ -243,7 +239,7 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
         if cfg.ema_decay:
             self.ema = {name: p.detach().clone() for name, p in self.policy.named_parameters() if p.requires_grad}
-            own.append(lambda trainer: trainer.update_ema())
+            own.append(lambda _: self.update_ema())
         self.hooks[:0] = own
 
     # --- state ----------------------------------------------------------------------------------------------

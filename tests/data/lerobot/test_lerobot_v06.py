@@ -271,7 +271,7 @@ def test_training_on_a_06_dataset_uses_its_rgb_cameras_and_refuses_its_depth_map
     from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
     from roboscale.models.pi05.config import Pi05Config
     from roboscale.models.policy import Policy
-    from roboscale.train.trainer import train
+    from roboscale.train.supervised import train
 
     def config(out: Path, **policy) -> TrainConfig:
         return TrainConfig(dataset=DatasetConfig(root=str(V06)), steps=2, batch_size=4, output_dir=str(out),

@@ -44,9 +44,8 @@ from roboscale.data.lake.journal import (
     remove_stale_shards,
 )
 from roboscale.data.lake.manifest import manifest_is_current, manifest_record, read_shard_meta, write_tables
-from roboscale.data.lake.planning import ShardSpec, SourcePlan, lake_features, plan_shards, plan_sources
+from roboscale.data.lake.planning import BuildContext, ShardSpec, SourcePlan, lake_features, plan_shards, plan_sources
 from roboscale.data.lake.ray import BuildShardTask, check_reachable, ensure_ray, raise_task_errors, ray_map
-from roboscale.data.lake.shards import BuildContext
 from roboscale.data.lake.staging import local_path
 from roboscale.data.lake.stats import merge_stats
 from roboscale.errors import ConfigError, DatasetError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -15,11 +15,8 @@ import pyarrow.parquet as pq
 from roboscale import __version__
 from roboscale.configs.lake import LakeConfig
 from roboscale.data.lake.format import EPISODES_FILE, LAKE_FORMAT, LAKE_VERSION, MANIFEST, SHARD_META, TASKS_FILE
-from roboscale.data.lake.planning import ShardSpec, SourcePlan
+from roboscale.data.lake.planning import BuildContext, ShardSpec, SourcePlan
 from roboscale.utils.io import atomic_write_bytes, load_json, sha256_file
-
-if TYPE_CHECKING:
-    from roboscale.data.lake.shards import BuildContext
 
 
 def file_record(path: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from roboscale.configs.lake import LakeConfig
-from roboscale.data.lake.format import LAKE_VERSION
+from roboscale.data.lake.format import LAKE_VERSION, SHARDS_DIR
 from roboscale.data.lake.staging import SourceHandle, stage_source
 from roboscale.data.lerobot import format as fmt
 from roboscale.data.lerobot import language
@@ -197,3 +197,20 @@ def plan_shards(plans: Sequence[SourcePlan], cfg: LakeConfig, cameras: list[str]
             index += frames
             start = stop
     return specs
+
+
+@dataclass
+class BuildContext:
+    """Everything a shard task needs (pickled into Ray tasks)."""
+
+    output: str
+    sources: list[SourceHandle]
+    task_maps: list[list[int]]
+    features: dict[str, dict[str, Any]]
+    cameras: list[str]
+    numeric: list[str]
+    image_size: int
+    resize: str
+
+    def shard_dir(self, name: str) -> Path:
+        return Path(self.output) / SHARDS_DIR / name

@@ -17,8 +17,8 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from roboscale.configs.lake import LakeConfig
-from roboscale.data.lake.planning import ShardSpec
-from roboscale.data.lake.shards import BuildContext, build_shard, shard_histograms
+from roboscale.data.lake.planning import BuildContext, ShardSpec
+from roboscale.data.lake.shards import build_shard, shard_histograms
 from roboscale.errors import DatasetError, from_record, to_record
 from roboscale.utils.ray_cluster import reachable_or_raise, start_or_join_ray
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,9 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.numpy import save_file as save_safetensors
 
-from roboscale.data.lake.format import SHARD_COLUMNS, SHARD_META, SHARD_STATS, SHARDS_DIR
+from roboscale.data.lake.format import SHARD_COLUMNS, SHARD_META, SHARD_STATS
 from roboscale.data.lake.manifest import file_record, read_shard_meta
-from roboscale.data.lake.planning import ShardSpec, referenced_files
-from roboscale.data.lake.staging import SourceHandle
+from roboscale.data.lake.planning import BuildContext, ShardSpec, referenced_files
 from roboscale.data.lerobot import format as fmt
 from roboscale.data.lerobot.reader import LeRobotDatasetMetadata
 from roboscale.data.lerobot.stats import ByteHistogram, Histogram, Moments
@@ -37,23 +35,6 @@ from roboscale.utils.images import fitted_size, resize_with_pad
 from roboscale.utils.io import atomic_write_json, fsync_dir, make_temporary_directory
 
 _RESIZE_CHUNK = 64  # frames per resize call: bounds the temporary buffers
-
-
-@dataclass
-class BuildContext:
-    """Everything a shard task needs (pickled into Ray tasks)."""
-
-    output: str
-    sources: list[SourceHandle]
-    task_maps: list[list[int]]
-    features: dict[str, dict[str, Any]]
-    cameras: list[str]
-    numeric: list[str]
-    image_size: int
-    resize: str
-
-    def shard_dir(self, name: str) -> Path:
-        return Path(self.output) / SHARDS_DIR / name
 
 
 def fit_frames(frames: np.ndarray, size: int, mode: str = "pad") -> tuple[np.ndarray, tuple[slice, slice]]:

@@ -23,8 +23,8 @@ from safetensors.numpy import load_file as load_safetensors
 
 from roboscale.configs.lake import LakeConfig
 from roboscale.data.lake.format import SHARD_STATS
+from roboscale.data.lake.planning import BuildContext
 from roboscale.data.lake.ray import HistogramTask, ray_map
-from roboscale.data.lake.shards import BuildContext
 from roboscale.data.lerobot import format as fmt
 from roboscale.data.lerobot.stats import ByteHistogram, Histogram, Moments, finalize_numeric, merge_moments
 

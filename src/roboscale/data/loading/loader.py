@@ -38,6 +38,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -483,57 +484,76 @@ def check_sources(sources: Sequence[FrameSource], names: Sequence[str], *, skip_
     return excluded
 
 
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How a ``StreamingLoader`` reads (``build_loader``): the global batch, its order and the workers."""
+
+    batch_size: int
+    """The *global* batch, divisible by the world size: each rank's ``next()`` is its ``batch_size / world_size``
+    samples of it."""
+    seed: int = 0
+    shuffle: bool = True
+    block_samples: int = 256
+    """Samples decoded together and shuffled among (global: each rank decodes ``block_samples / world_size``);
+    ``>= batch_size * chunk_frames`` gives batches of distinct chunks (``roboscale.data.loading.plan``)."""
+    chunk_frames: int = 16
+    """Consecutive frames of an episode decoded in one pass."""
+    num_workers: int = 2
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead, rounded up to whole blocks (a worker prepares a block at a time)."""
+    pin_memory: bool | None = None
+    """None: pin where CUDA is available."""
+    shared_arena: bool = True
+    """Workers hand batches over through recycled shared memory (``roboscale.data.loading.transport``)."""
+    multiprocessing_context: str = "forkserver"
+    """How workers start: forkserver, spawn or fork (see the module docstring)."""
+    worker_timeout_s: float = 600.0
+    """A worker silent this long fails the loader with the batch it was on (0: wait forever)."""
+    check: bool = True
+    """Run each source's cheap up-front checks (what LeRobot's reader and ``data validate --quick`` refuse)."""
+    skip_bad_episodes: bool = False
+    """Exclude unreadable episodes (counted) instead of refusing them; at read time too."""
+    tolerance_s: float = fmt.DEFAULT_TOLERANCE_S
+    """How far a ``delta_timestamps`` offset may be from a frame."""
+
+
 def build_loader(
     source: Any,
+    config: LoaderConfig | None = None,
     *,
-    batch_size: int,
-    num_workers: int = 2,
-    delta_timestamps: Mapping[str, Sequence[float]] | None = None,
-    keys: Sequence[str] | None = None,
     rank: int = 0,
     world_size: int = 1,
-    seed: int = 0,
-    shuffle: bool = True,
+    keys: Sequence[str] | None = None,
+    delta_timestamps: Mapping[str, Sequence[float]] | None = None,
     transform: Callable[[dict[str, Any]], Any] | None = None,
     collate: Callable[[list[Any]], Any] | None = None,
-    prefetch_factor: int = 2,
-    pin_memory: bool | None = None,
-    block_samples: int = 256,
-    chunk_frames: int = 16,
-    skip_bad_episodes: bool = False,
-    check: bool = True,
-    tolerance_s: float = fmt.DEFAULT_TOLERANCE_S,
-    multiprocessing_context: str = "forkserver",
-    worker_timeout_s: float = 600.0,
     source_options: Mapping[str, Any] | None = None,
-    shared_arena: bool = True,
+    **options: Any,
 ) -> StreamingLoader:
     """A ``StreamingLoader`` over ``source``: a dataset directory (raw LeRobot v3.0 or lake), a ``FrameSource``,
     or a list of those, each optionally ``(item, weight)`` (mixture weights: a source's share of every epoch;
     without weights, shares follow the sources' frame counts).
 
-    ``batch_size``: the *global* batch, divisible by ``world_size``; each ``next()`` returns rank ``rank``'s
-    ``batch_size / world_size`` samples (positions ``[rank, rank + 1) * batch_size / world_size``) of the next
-    global batch. The global batch sequence depends on ``seed``, the data, ``batch_size``, ``block_samples``,
-    ``chunk_frames`` and ``shuffle`` only (``roboscale.data.loading.plan``): pass the same values on every world
-    size to resume across them. ``block_samples`` is global too: each rank decodes ``block_samples / world_size``
-    samples per block.
+    ``config``: how it reads (``LoaderConfig``), or its fields as keyword ``options`` (``build_loader(root,
+    batch_size=8)``), not both. Each ``next()`` returns rank ``rank``'s ``batch_size / world_size`` samples
+    (positions ``[rank, rank + 1) * batch_size / world_size``) of the next global batch; the global batch sequence
+    depends on the seed, the data, the batch size, ``block_samples``, ``chunk_frames`` and ``shuffle`` only
+    (``roboscale.data.loading.plan``): the same values on every world size resume across them.
 
     ``keys``: features to load (default: every feature; cameras cost decoding, so pass what the policy reads).
     ``delta_timestamps``: ``{key: [seconds, ...]}`` windows, as LeRobot. ``transform`` runs per sample and
-    ``collate`` per batch in the workers (default: stack into a dict batch). ``pin_memory`` defaults to CUDA
-    availability. ``block_samples`` / ``chunk_frames``: see ``roboscale.data.loading.plan`` (``block_samples >=
-    batch_size * chunk_frames`` gives batches of distinct chunks). ``prefetch_factor``: batches each worker
-    prepares ahead, rounded up to whole blocks (a worker prepares a block at a time). ``shared_arena``: workers
-    hand batches over through recycled shared memory (``roboscale.data.loading.transport``; ``num_workers x
-    (blocks ahead + 1)`` slots of one block's batches each, sized from the features with 25% headroom for what
-    transforms add; pages are allocated as written).
-    ``multiprocessing_context``: how workers start ("forkserver", "spawn" or "fork"; see the module docstring).
-    ``worker_timeout_s``: a worker silent this long fails the loader with the batch it was on (0: wait forever).
-    ``check``: run each source's cheap up-front checks (``FrameSource.unreadable_episodes``: what LeRobot's reader
-    and ``roboscale data validate --quick`` refuse) and refuse unreadable episodes, or exclude them with
-    ``skip_bad_episodes``; episodes that fail later, at read time, are skipped and counted the same way.
+    ``collate`` per batch in the workers (default: stack into a dict batch). A hand-over slot of the shared arena
+    holds one block's batches (``num_workers x (blocks ahead + 1)`` slots, sized from the features with 25%
+    headroom for what transforms add; pages are allocated as written). Unreadable episodes found by the checks
+    are refused, or excluded with ``skip_bad_episodes``; episodes that fail later, at read time, are skipped and
+    counted the same way. ``source_options``: passed to each source's opener.
     """
+    if config is None:
+        config = LoaderConfig(**options)
+    elif options:
+        raise TypeError(f"build_loader: give a LoaderConfig or its options, not both ({sorted(options)})")
+    c = config
+    batch_size, block_samples, shuffle = c.batch_size, c.block_samples, c.shuffle
     if batch_size <= 0:
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if not 0 <= rank < world_size:
@@ -562,14 +582,14 @@ def build_loader(
         if missing:
             raise DatasetError(n, f"no such feature (it has {sorted(s.features)})", field=missing[0])
     cameras = {k for k in keys if first.features[k].get("dtype") in ("video", "image")}
-    deltas = _delta_offsets(delta_timestamps, fps, tolerance_s, first.features, names[0])
+    deltas = _delta_offsets(delta_timestamps, fps, c.tolerance_s, first.features, names[0])
     unread = set(deltas) - set(keys)
     if unread:
         keys += sorted(unread)
     sample_index = SampleIndex.build(sources, names)
 
     lengths = sample_index.lengths.copy()
-    excluded = check_sources(sources, names, skip_bad_episodes=skip_bad_episodes) if check else []
+    excluded = check_sources(sources, names, skip_bad_episodes=c.skip_bad_episodes) if c.check else []
     for name, ep, _ in excluded:
         i = names.index(name)
         mine = np.flatnonzero(sample_index.source_of == i)
@@ -591,18 +611,17 @@ def build_loader(
     # unshuffled: one batch per block, so batches come in dataset order
     block_batches = max(1, block_samples // batch_size) if shuffle else 1
     plan = EpochPlan(lengths, sample_index.starts[:-1], sample_index.source_of, quotas, batch_size, block_batches,
-                     max(1, chunk_frames), shuffle, seed)
+                     max(1, c.chunk_frames), shuffle, c.seed)
     if plan.batches_per_epoch == 0:
         raise ConfigError(f"{', '.join(names)}: {int(quotas.sum())} samples per epoch are too few for batch_size "
                           f"{batch_size}")
-    if num_workers:
+    if c.num_workers:
         for what, obj in (("transform", transform), ("collate", collate)):
-            _check_picklable(what, obj, multiprocessing_context)
+            _check_picklable(what, obj, c.multiprocessing_context)
         for s, n in zip(sources, names, strict=True):
-            _check_picklable(f"source {n}", s, multiprocessing_context)
-    dataset = BatchDataset(sample_index, keys, deltas, cameras, transform, collate, skip_bad_episodes)
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
+            _check_picklable(f"source {n}", s, c.multiprocessing_context)
+    dataset = BatchDataset(sample_index, keys, deltas, cameras, transform, collate, c.skip_bad_episodes)
+    pin_memory = torch.cuda.is_available() if c.pin_memory is None else c.pin_memory
     per_sample = 0
     for key in keys:
         ft = first.features[key]
@@ -612,8 +631,8 @@ def build_loader(
     # a hand-over slot holds one block's batches (this rank's slices)
     dataset.block_bytes = int(1.25 * block_batches * (batch_size // world_size) * per_sample) + (1 << 20)
     dataset.keep_decoded = plan.block_batches >= plan.batches_per_epoch  # the whole dataset fits in one block
-    arena_bytes = dataset.block_bytes if shared_arena and num_workers else 0
-    return StreamingLoader(sample_index, dataset, plan, rank=rank, world_size=world_size, num_workers=num_workers,
-                           prefetch_factor=prefetch_factor,
-                           pin_memory=pin_memory, multiprocessing_context=multiprocessing_context, excluded=excluded,
-                           arena_bytes=arena_bytes, worker_timeout_s=worker_timeout_s)
+    arena_bytes = dataset.block_bytes if c.shared_arena and c.num_workers else 0
+    return StreamingLoader(sample_index, dataset, plan, rank=rank, world_size=world_size, num_workers=c.num_workers,
+                           prefetch_factor=c.prefetch_factor, pin_memory=pin_memory,
+                           multiprocessing_context=c.multiprocessing_context, excluded=excluded,
+                           arena_bytes=arena_bytes, worker_timeout_s=c.worker_timeout_s)

@@ -7,8 +7,8 @@ it may keep file handles and decoders (bounded: resident memory must not grow wi
 
 ``open_source(path)`` picks the implementation from what the directory holds, through a small registry of
 openers (``register_opener``): a lake root (``manifest.json`` with ``"format": "roboscale-lake"``) opens as
-``roboscale.data.lake.source.LakeSource``; a directory with ``meta/info.json`` as
-``roboscale.data.loading.raw_source.RawSource``.
+``roboscale.data.lake.source.LakeSource`` (the lake's own opener, ``roboscale.data.lake.opener``, named in
+``BUILTIN_OPENERS``); a directory with ``meta/info.json`` as ``roboscale.data.loading.raw_source.RawSource``.
 Openers import their module lazily, so a missing optional backend only matters to datasets that need it.
 """
 
@@ -21,9 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from roboscale.data.lake.format import LAKE_FORMAT, MANIFEST
-from roboscale.errors import ConfigError, DatasetError
-from roboscale.utils.io import load_json
+from roboscale.errors import DatasetError
 
 
 @runtime_checkable
@@ -87,6 +85,10 @@ class SourceOpener:
 
 
 _OPENERS: list[SourceOpener] = []
+BUILTIN_OPENERS = ("roboscale.data.lake.opener:OPENER",)
+"""Openers of other packages, before the raw one (``module:attribute``, imported on the first ``open_source``):
+a lake registers itself from ``roboscale.data.lake``, which this module does not import."""
+_builtins_loaded = False
 
 
 def register_opener(opener: SourceOpener, *, first: bool = False) -> None:
@@ -97,40 +99,28 @@ def register_opener(opener: SourceOpener, *, first: bool = False) -> None:
         _OPENERS.append(opener)
 
 
+def _load_builtin_openers() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    from roboscale.utils.imports import load
+
+    for path in reversed(BUILTIN_OPENERS):
+        register_opener(load(path), first=True)
+
+
 def open_source(path: str | Path, **options: Any) -> FrameSource:
     """The ``FrameSource`` for a dataset directory, from the first registered opener that recognizes it."""
     path = Path(path)
     if not path.is_dir():
         raise DatasetError(path, "dataset directory not found")
+    _load_builtin_openers()
     for opener in _OPENERS:
         if opener.detect(path):
             return opener.open(path, **options)
     raise DatasetError(path, "not a dataset: expected meta/info.json (LeRobot v3.0) or a roboscale lake "
                              f"manifest.json; known formats: {[o.name for o in _OPENERS]}")
-
-
-def _is_lake(path: Path) -> bool:
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return False
-    if not (path / "meta" / "info.json").exists():  # no LeRobot dataset: a lake, whose reader names any damage
-        return True
-    try:
-        return load_json(manifest.read_text()).get("format") == LAKE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _open_lake(path: Path, *, episodes: Sequence[int] | None = None, **options: Any) -> FrameSource:
-    if episodes is not None:
-        raise ConfigError(f"--dataset.episodes works with raw LeRobot v3.0 datasets only: {path} is a roboscale lake, "
-                          "whose episodes are chosen when it is built (build a lake of the episodes to train on)")
-    try:
-        from roboscale.data.lake.source import LakeSource
-    except ImportError as e:
-        raise DatasetError(path, f"is a roboscale lake, but roboscale.data.lake.source cannot be imported: {e}"
-                           ) from None
-    return LakeSource(path, **options)
 
 
 def _is_raw(path: Path) -> bool:
@@ -145,5 +135,4 @@ def _open_raw(path: Path, *, verify_on_open: bool = True, **options: Any) -> Fra
     return RawSource(path, **options)
 
 
-register_opener(SourceOpener(LAKE_FORMAT, _is_lake, _open_lake))
 register_opener(SourceOpener("lerobot-v3.0", _is_raw, _open_raw))

@@ -1,4 +1,5 @@
-"""openpi's websocket wire format: msgpack, with numpy arrays as maps, decoded strictly.
+"""openpi's wire format: msgpack, with numpy arrays as maps, decoded strictly (both ends: `roboscale serve` and its
+clients).
 
 ``openpi_client.msgpack_numpy`` (what ``WebsocketClientPolicy`` sends and expects) packs an ndarray as a map with
 bytes keys ``__ndarray__`` (True), ``data`` (the raw bytes), ``dtype`` (``dtype.str``, e.g. ``"<f4"``) and

@@ -299,7 +299,7 @@ def test_one_observation_per_policy_call_gives_identical_episodes_whatever_the_w
     runs = [tmp_path / f"{workers}x{envs}" for workers, envs in layouts]
     assert _episodes(runs[0]) == _episodes(runs[1]) == _episodes(runs[2])
     # recorded in the report: together with the batch, the threads decide how the matrix products round
-    assert {json.loads((run / "report.json").read_text())["timing"]["inference_threads"] for run in runs} == {1}
+    assert {json.loads((run / "report.json").read_text())["timing"]["runner.threads"] for run in runs} == {1}
 
 
 # ------------------------------------------------------------------------ the demo's evaluation on the run's page

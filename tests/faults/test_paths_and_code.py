@@ -285,10 +285,13 @@ def test_every_command_that_resumes_parses_through_the_one_resume_path() -> None
         parse_train_args([])
         rl_run.parse_rl_args([])
     # `roboscale eval --resume` takes no options from its directory: it compares protocol.json with the command
-    # line's (test_an_evaluation_dirs_protocol_is_compared_never_imported)
+    # line's (test_an_evaluation_dirs_protocol_is_compared_never_imported); TrainerConfig is no command's: the
+    # Trainer's part of train's and rl's configs
     from roboscale.configs.eval import EvalConfig
+    from roboscale.configs.train import TrainerConfig
 
-    assert resumable - {EvalConfig} == {TRAIN.config, *calls} == set(calls), (resumable, calls)
+    assert resumable - {EvalConfig, TrainerConfig} == {TRAIN.config, *calls} == set(calls), (resumable, calls)
+    assert all(issubclass(config, TrainerConfig) for config in calls)
 
 
 def test_a_copied_rl_run_resumes_where_it_now_is(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ rerun with the same protocol skips them.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from roboscale.rollout.setup import check_cameras, policy_env_request
 from roboscale.utils.io import atomic_write_json, exclusive_lock, sha256_file
 from roboscale.utils.lifetime import interrupted
 
+if TYPE_CHECKING:
+    from roboscale.rollout.engine import RolloutStats
+
 log = logging.getLogger(__name__)
 
 PROTOCOL_FILE = "protocol.json"
@@ -33,6 +36,8 @@ PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i
 NOISE = ("flow-matching noise of the k-th chunk an episode predicts: N(0, 1) from PCG64([episode seed, k]): "
          "independent of batching")
 SUCCESS_RULE = "success at any step ends the episode; no success within max_steps is a failure"
+NUMBERS = (int, float, str)
+"""What a timing entry may be (the stats' counters of batch sizes are the engine's, not the report's)."""
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
@@ -61,16 +66,15 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
                     or next((k.removeprefix("observation.images.") for k in policy_cfg.image_keys), ""))
     request = policy_env_request(spec, policy_cfg, checkpoint, cfg.max_steps, video_camera, cfg.env_options)
     check_cameras(spec, tasks[0], request, checkpoint)
-    cameras, image_size = request.cameras, request.image_size
     out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(checkpoint).parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    built = to_dict(request)  # what every environment is built with: cameras, image size, state, step limit, options
+    built["env_options"] = built.pop("options")
     protocol = {
         "env": spec.name, "tasks": tasks, "episodes_per_task": cfg.episodes, "seed": cfg.seed,
-        "placement": PLACEMENT, "max_steps": cfg.max_steps, "success_rule": SUCCESS_RULE, "cameras": cameras,
-        "state_feature": policy_cfg.state_key, "image_size": image_size, "video_camera": video_camera,
-        "env_options": to_dict(request.options),
-        "n_action_steps": policy_cfg.n_action_steps,
+        "placement": PLACEMENT, "success_rule": SUCCESS_RULE, **built,
+        "video_camera": video_camera, "n_action_steps": policy_cfg.n_action_steps,
         "chunk_size": policy_cfg.chunk_size, "num_inference_steps": policy_cfg.num_inference_steps, "noise": NOISE,
         "instructions": {task: instructions.get(task) or spec.instruction(task) for task in tasks},
         "videos_per_task": cfg.videos_per_task,
@@ -141,19 +145,21 @@ def _served_policy(cfg: EvalConfig) -> tuple[Any, str, str, str]:
     return policy_cfg, metadata["policy"], metadata["checkpoint"], metadata["checkpoint_sha256"]
 
 
-def _timing(cfg: EvalConfig, stats: Any, run: int, resumed: int) -> dict[str, Any]:
-    """Where the evaluation's time went, and the engine settings it ran with."""
+def _timing(cfg: EvalConfig, stats: RolloutStats, run: int, resumed: int) -> dict[str, Any]:
+    """Where the evaluation's time went (every measure of the engine's ``RolloutStats``: its numbers, and the
+    servers' batching as ``batching.*``) and the settings it ran with (the rollout's layout, its
+    ``RunnerConfig`` whole as ``runner.*``)."""
     rollout = cfg.rollout
+    measured = {f.name: getattr(stats, f.name) for f in fields(stats) if isinstance(getattr(stats, f.name), NUMBERS)}
+    batching = {f"batching.{f.name}": getattr(stats.batching, f.name) for f in fields(stats.batching)
+                if isinstance(getattr(stats.batching, f.name), NUMBERS)} if stats.inference == "server" else {}
     return {
-        "wall_s": stats.wall_s, "env_steps": stats.env_steps,
-        "env_steps_per_s": stats.env_steps / stats.wall_s if stats.wall_s else 0.0,
-        "sim_s": stats.sim_s, "render_s": stats.render_s, "inference_s": stats.inference_s,
-        "inference_calls": stats.inference_calls, "mean_batch_size": stats.mean_batch_size,
+        **measured, "env_steps_per_s": stats.env_steps / stats.wall_s if stats.wall_s else 0.0,
+        "mean_batch_size": stats.mean_batch_size, **batching,
         "workers": rollout.workers, "envs_per_worker": rollout.envs_per_worker,
-        "inference": stats.inference, "servers": rollout.servers if stats.inference == "server" else 0,
-        "max_batch_size": rollout.runner.max_batch_size, "batch_timeout_ms": rollout.runner.batch_timeout_ms,
-        "inference_threads": rollout.runner.threads,
-        "episodes_run": run, "episodes_resumed": resumed, "restarts": stats.restarts,
+        "servers": rollout.servers if stats.inference == "server" else 0,
+        **{f"runner.{name}": value for name, value in to_dict(rollout.runner).items()},
+        "episodes_run": run, "episodes_resumed": resumed,
     }
 
 

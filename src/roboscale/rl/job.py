@@ -23,7 +23,13 @@ from roboscale.configs.rl import RLConfig
 from roboscale.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
+    from roboscale.configs.rollout import RolloutConfig
+    from roboscale.distributed.env import DistributedEnv
     from roboscale.models.config import PolicyConfig
+    from roboscale.models.policy import Policy
+    from roboscale.rl.driver import WeightSchedule
+    from roboscale.rollout.engine import EnvSetup
+    from roboscale.train.components import TrainerView, TrainingComponents
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +46,15 @@ class WeightPublisher:
     of the step that made them) go to ``schedule`` (``rl.driver.WeightSchedule``: on to the engine's channel, for
     the rollouts that start from then on). ``publish`` alone: the weights a run starts (or resumes) with."""
 
-    def __init__(self, schedule: Any, due: Callable[[], bool]):
+    def __init__(self, schedule: WeightSchedule, due: Callable[[], bool]):
         self.schedule = schedule
         self.due = due  # whether a rollout comes next (not another epoch on the last one)
 
-    def __call__(self, trainer: Any) -> None:
+    def __call__(self, trainer: TrainerView) -> None:
         if self.due():
             self.publish(trainer)  # hooks run once the trainer has counted the step it applied
 
-    def publish(self, trainer: Any) -> None:
+    def publish(self, trainer: TrainerView) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # every rank gathers the full weights (a collective) for its own engine; copies, since training goes on
@@ -81,7 +87,7 @@ class RLJob:
         self.batch_size = len(tasks) * cfg.rl.states_per_task * cfg.rl.group_size
         """The global batch (``TrainingJob.batch_size``): the episodes of one rollout, which each step trains on."""
 
-    def build_policy(self, trainer: Any, resumed: Any | None) -> Any:
+    def build_policy(self, trainer: TrainerView, resumed: Policy | None) -> Policy:
         from roboscale.models.policy import Policy
 
         if resumed is not None:
@@ -90,7 +96,7 @@ class RLJob:
         config = policy_config(self.cfg, self.checkpoint)
         return Policy.from_pretrained(self.checkpoint, value_head_dim=config.value_head_dim)
 
-    def build(self, trainer: Any) -> Any:
+    def build(self, trainer: TrainerView) -> TrainingComponents:
         from roboscale.rl.driver import WeightSchedule
         from roboscale.rl.objective import PolicyGradientLoss
         from roboscale.rl.rollouts import RolloutSource
@@ -132,7 +138,7 @@ class Cores:
     rollout: set[int]
 
 
-def placed(cfg: RLConfig, env: Any) -> tuple[Any, Cores | None]:
+def placed(cfg: RLConfig, env: DistributedEnv) -> tuple[RolloutConfig, Cores | None]:
     """The rollout processes' options for --rl.placement on this rank's devices (see RLOptions.placement), and on
     the CPU, disaggregated, the cores of the trainer and of the rollout processes."""
     import dataclasses
@@ -196,7 +202,7 @@ def policy_config(cfg: RLConfig, checkpoint: Path) -> PolicyConfig:
         raise CheckpointError(checkpoint / CONFIG_NAME, str(exc)) from None
 
 
-def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_config: Any) -> Any:
+def rl_env_setup(cfg: RLConfig, checkpoint: Path, tasks: list[str], policy_config: PolicyConfig) -> EnvSetup:
     """The environments the rollouts run in, as evaluation builds them for this policy (its cameras, image size
     and state feature), with RL's episode limit."""
     from roboscale.rollout.setup import policy_env_setup

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 ROLLOUT_ONLY_WITH = {
     "rollout.servers": "--rollout.inference=server (auto on a GPU)", "rollout.max_retries": "a simulator that crashes",
     "rollout.server_api_key_file": "--rollout.server (refused without it)",
+    "rollout.runner.batch_timeout_ms": "--rollout.inference=server",
 }
 TRAINER_ONLY_WITH = {
     "eval.*": "--eval.every > 0", "max_nonfinite_steps": "a NaN/Inf step",
@@ -38,13 +39,13 @@ TRAINER_ONLY_WITH = {
 ONLY_WITH: dict[str, dict[str, str]] = {
     "train": {**TRAINER_ONLY_WITH, "ray.*": "--launcher=ray"},
     "rl": {**TRAINER_ONLY_WITH, **ROLLOUT_ONLY_WITH, "rl.max_staleness": "--rl.mode=async",
-           "rl.schedule": "--rl.mode=async", "rollout.runner.batch_timeout_ms": "--rollout.inference=server",
+           "rl.schedule": "--rl.mode=async",
            # read where the policy predicts: on the CPU the env workers, other processes than this one
            "rollout.sampler.sde_steps": "(read in the env workers)"},
     "eval": dict(ROLLOUT_ONLY_WITH),
     "serve": {},
     "data tasks": {}, "data validate": {}, "model info": {}, "export": {}, "report": {}, "eval compare": {},
-    "plan": {"fp8_speedup": "--precision=fp8"}, "lake build": {},
+    "plan": {"fp8_speedup": "--precision=fp8"}, "lake build": {}, "data convert": {},
 }
 """Per command, the options a default run does not read, with the choice that makes them matter."""
 
@@ -73,6 +74,15 @@ COPIES = {SOURCE / "config.py"}
 reading there is not using."""
 
 
+def _caller(frame: Any) -> Any:
+    """The code that read: ``dataclasses.asdict``'s caller for a config passed whole as a function's keywords
+    (`data convert`'s options), else the frame's own."""
+    while frame.f_back is not None and frame.f_code.co_name in ("asdict", "_asdict_inner") \
+            and frame.f_code.co_filename == dataclasses.__file__:
+        frame = frame.f_back
+    return frame.f_code
+
+
 def _used_by_the_command(code: Any) -> bool:
     """Whether a read from ``code`` uses the value: roboscale's code, but not a config checking its own values
     (``__post_init__``: a value it accepts may still be ignored) or copying itself."""
@@ -89,7 +99,7 @@ def recorded_reads() -> Iterator[set[tuple[type, str]]]:
         names = {f.name for f in dataclasses.fields(cls)}
 
         def recorder(self: Any, name: str, _names: set[str] = names) -> Any:
-            if name in _names and _used_by_the_command(sys._getframe(1).f_code):
+            if name in _names and _used_by_the_command(_caller(sys._getframe(1))):
                 reads.add((type(self), name))
             return object.__getattribute__(self, name)
 
@@ -202,8 +212,7 @@ def test_serve_reads_every_option_it_lists(tmp_path: Path) -> None:
 
 def test_the_other_commands_read_every_option_they_list(sft: Path, tiny_dataset: Path, tmp_path: Path) -> None:
     """The data, model, export, report, compare, plan and lake commands (not `data generate`, whose workers read
-    its options in their own processes, nor `data convert`, which needs a v2.1 dataset, nor `demo`, which is
-    generate, train and eval)."""
+    its options in their own processes, nor `demo`, which is generate, train and eval in a row)."""
     from roboscale.configs.data import TasksConfig, ValidateConfig
     from roboscale.configs.eval import EvalConfig
     from roboscale.configs.lake import LakeConfig
@@ -227,4 +236,9 @@ def test_the_other_commands_read_every_option_they_list(sft: Path, tiny_dataset:
     from roboscale.configs.plan import parse_plan_args
 
     assert _reads_of("plan", PlanConfig, ["--policy.type=pi05", "--gpus=[1,8]"], parser=parse_plan_args) == []
+    from roboscale.configs.data import ConvertConfig
+    from tests.data.lerobot.v21_factory import write_v21_dataset
+
+    v21 = write_v21_dataset(tmp_path / "v21")
+    assert _reads_of("data convert", ConvertConfig, [str(v21), str(tmp_path / "v30")], ("src", "dst")) == []
     assert _reads_of("lake build", LakeConfig, [str(tiny_dataset), f"--output={tmp_path / 'lake'}"], ("sources",)) == []

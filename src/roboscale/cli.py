@@ -2,7 +2,8 @@
 eval, serve, report, plan, demo), each parsing its typed config (``roboscale.configs``) and calling one library
 function. Errors a user can act on (``RoboscaleError``) are one line and an exit code (2: a bad option, 1: the
 data or a run failed); Ctrl-C and SIGTERM end every process a command started. Every option a command lists in
-``--help`` is read by it or refused (``tests/test_options.py``)."""
+``--help`` is read by it or refused (``tests/test_options.py`` runs each command but `data generate`, whose
+workers read its options in their own processes, and `demo`, which is generate, train and eval)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
 """torchrun across hosts of the cluster in a box, as the README's multi-node command runs it: a c10d rendezvous on
-host 0's name, gloo on each host's eth0. Two hosts of one rank compute the 1-process losses (DDP and FSDP2)."""
+host 0's name, gloo on each host's eth0. Two hosts of one rank compute the 1-process losses (DDP and FSDP2); a
+link cut mid-run ends every rank and both torchruns within ``--parallel.timeout_s`` plus a bound, never a hang,
+on hosts whose ``net.ipv4.tcp_retries2`` is 5 (with the kernel's 15 the cut host's agent blocks in its
+rendezvous-store call for ~15 minutes: README, "Clusters")."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +55,26 @@ def test_two_hosts_compute_the_one_process_losses(strategy: str, single: list[fl
         assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errors)
     rows = metrics(tmp_path / "run")
     assert len(rows) == STEPS and _losses(rows) == pytest.approx(single, rel=1e-4)
+
+
+def test_a_cut_link_ends_every_process_within_the_collective_timeout(tiny_dataset: Path, tmp_path: Path) -> None:
+    timeout_s, bound_s = 20, 30
+    out = tmp_path / "run"
+    with Cluster(2, tcp_retries2=5) as cluster:
+        procs = on_hosts(cluster, tiny_dataset, out, "--parallel.strategy=fsdp", f"--parallel.timeout_s={timeout_s}",
+                         "--steps=100000", "--save_freq=100000")
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file():  # training has begun: a step's collectives are in flight
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+            time.sleep(0.5)
+        cut = time.monotonic()
+        cluster.cut(cluster.hosts[1])
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, timeout_s + bound_s - (time.monotonic() - cut)))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a torchrun still ran {timeout_s + bound_s} s after host1's link was cut")
+        ended_s = time.monotonic() - cut
+    assert all(p.returncode != 0 for p in procs)  # a failure, said: not a hang, not a success
+    assert ended_s < timeout_s + bound_s, ended_s

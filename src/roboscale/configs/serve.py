@@ -11,6 +11,11 @@ from roboscale.errors import ConfigError
 KEY_PRESETS = ("checkpoint", "openpi_libero", "openpi_droid")
 
 
+def serve_runner() -> RunnerConfig:
+    """The server's runner defaults: batches of at most 16 robots' observations."""
+    return RunnerConfig(max_batch_size=16)
+
+
 @dataclass
 class ServeConfig:
     """`roboscale serve`: a trained policy behind openpi's websocket policy protocol, for robot clients
@@ -34,7 +39,7 @@ class ServeConfig:
     key_map: dict[str, str] = field(default_factory=dict)
     """Feature -> the client's key, over the preset: e.g. {observation.images.wrist: cam/wrist, observation.state:
     joints+gripper} (a state from several keys joins them, in order, with '+'; the instruction is ``prompt``)."""
-    runner: RunnerConfig = field(default_factory=lambda: RunnerConfig(max_batch_size=16))
+    runner: RunnerConfig = field(default_factory=serve_runner)
     """Where the policy runs (--runner.device: auto is cuda if available; --runner.threads 0: every core) and how
     the observations of different connections are batched (a batch goes at once when every predicting connection
     has asked)."""
@@ -72,10 +77,3 @@ class ServeConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--{name} must be a positive number, got {value}")
-
-    @property
-    def loopback(self) -> bool:
-        """Whether the server listens on a loopback interface only (where it may run without a key)."""
-        from roboscale.transport.websocket import is_loopback
-
-        return is_loopback(self.host)

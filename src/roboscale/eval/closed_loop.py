@@ -36,7 +36,7 @@ PLACEMENT = ("episode i of task t starts from reset(seed=episode_seed(seed, t, i
 NOISE = ("flow-matching noise of the k-th chunk an episode predicts: N(0, 1) from PCG64([episode seed, k]): "
          "independent of batching")
 SUCCESS_RULE = "success at any step ends the episode; no success within max_steps is a failure"
-NUMBERS = (int, float, str)
+SCALARS = (int, float, str)
 """What a timing entry may be (the stats' counters of batch sizes are the engine's, not the report's)."""
 
 
@@ -150,9 +150,9 @@ def _timing(cfg: EvalConfig, stats: RolloutStats, run: int, resumed: int) -> dic
     servers' batching as ``batching.*``) and the settings it ran with (the rollout's layout, its
     ``RunnerConfig`` whole as ``runner.*``)."""
     rollout = cfg.rollout
-    measured = {f.name: getattr(stats, f.name) for f in fields(stats) if isinstance(getattr(stats, f.name), NUMBERS)}
+    measured = {f.name: getattr(stats, f.name) for f in fields(stats) if isinstance(getattr(stats, f.name), SCALARS)}
     batching = {f"batching.{f.name}": getattr(stats.batching, f.name) for f in fields(stats.batching)
-                if isinstance(getattr(stats.batching, f.name), NUMBERS)} if stats.inference == "server" else {}
+                if isinstance(getattr(stats.batching, f.name), SCALARS)} if stats.inference == "server" else {}
     return {
         **measured, "env_steps_per_s": stats.env_steps / stats.wall_s if stats.wall_s else 0.0,
         "mean_batch_size": stats.mean_batch_size, **batching,

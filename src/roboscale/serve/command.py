@@ -31,8 +31,7 @@ def server_options(cfg: ServeConfig) -> ServerOptions:
         # a message's strings: the prompt (up to 4 UTF-8 bytes a character) and short keys
         limits=WireLimits(max_str_bytes=max(4 * cfg.max_prompt_chars, 1024),
                           option=f"--max_prompt_chars={cfg.max_prompt_chars}"),
-        max_batch_size=cfg.runner.max_batch_size, batch_timeout_ms=cfg.runner.batch_timeout_ms,
-        shutdown_grace_s=cfg.shutdown_grace_s)
+        batching=cfg.runner, shutdown_grace_s=cfg.shutdown_grace_s)
 
 
 def build_server(cfg: ServeConfig, on_ready: Callable[[str, int], None] | None = None) -> PolicyServer:

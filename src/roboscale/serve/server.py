@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from roboscale.configs.rollout import RunnerConfig
+from roboscale.configs.serve import ServeConfig, serve_runner
 from roboscale.errors import ConfigError
 from roboscale.rollout.batcher import DynamicBatcher
 from roboscale.rollout.inference import Prediction, PredictItem
@@ -71,19 +73,19 @@ __all__ = ["HEALTH_PATH", "PolicyServer", "ServerOptions"]
 class ServerOptions:
     """Where the server listens and what it takes (`roboscale serve` fills them from its options)."""
 
-    host: str = "127.0.0.1"
+    host: str = ServeConfig.host
     """Anything but a loopback interface needs an ``api_key`` (checked here, so no caller can forget it)."""
-    port: int = 8000
+    port: int = ServeConfig.port
     """0: any free port (``PolicyServer.address`` once ready)."""
     api_key: str | None = None
     """What clients send as ``Authorization: Api-Key KEY`` (None: no key)."""
-    max_message_bytes: int = 4 * 2 ** 20
+    max_message_bytes: int = int(ServeConfig.max_message_mb * 2 ** 20)
     """A larger message closes its connection (1009) before it is read."""
     limits: WireLimits = field(default_factory=WireLimits)
     """What one decoded message may hold (its strings: the prompt)."""
-    max_batch_size: int = 16
-    batch_timeout_ms: float = 5.0
-    shutdown_grace_s: float = 10.0
+    batching: RunnerConfig = field(default_factory=serve_runner)
+    """How observations of different connections are batched (its max_batch_size and batch_timeout_ms)."""
+    shutdown_grace_s: float = ServeConfig.shutdown_grace_s
     """On stop: how long requests in flight get to be answered before the connections close."""
 
     def __post_init__(self) -> None:
@@ -125,7 +127,8 @@ class PolicyServer:
         self.options = options if options is not None else ServerOptions()
         # the layout is what a client must send: its keys travel with whatever else the caller says
         self.metadata = {**metadata, "keys": layout.describe()}
-        self.batcher = DynamicBatcher(self._predict, self.options.max_batch_size, self.options.batch_timeout_ms,
+        self.batcher = DynamicBatcher(self._predict, self.options.batching.max_batch_size,
+                                      self.options.batching.batch_timeout_ms,
                                       producers=0)
         self.on_ready = on_ready
         self.address: tuple[str, int] | None = None

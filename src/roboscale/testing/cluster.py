@@ -20,17 +20,21 @@ cluster also sweeps what dead owners left (``sweep``). Needs root and iproute2 (
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from roboscale.utils.lifetime import alive, when_gone
 
 PREFIX = "rsc"
 """Every namespace, link and /etc/netns directory of a cluster starts with ``rsc<id>``; ``<id>`` is the owner's
@@ -174,15 +178,15 @@ class Cluster:
     def limit(self, rate_mbit: float | None, hosts: Sequence[Host] | None = None) -> None:
         """Every link (or those of ``hosts``) limited to ``rate_mbit`` each way (None: the limit removed)."""
         for host in hosts or self.hosts:
-            for args in (["dev", host.link], ["-n", host.namespace, "dev", INTERFACE]):
-                netns, dev = (args[:2], args[2:]) if args[0] == "-n" else ([], args)
-                subprocess.run(["tc", *netns, "qdisc", "del", *dev, "root"], capture_output=True, check=False)
+            # both ends: the bridge's side shapes what reaches the host, the host's side what it sends
+            for tc in (["tc", "qdisc"], ["tc", "-n", host.namespace, "qdisc"]):
+                dev = ["dev", host.link if len(tc) == 2 else INTERFACE, "root"]
+                subprocess.run([*tc, "del", *dev], capture_output=True, check=False)
                 if rate_mbit is not None:
                     # a bucket of ~10 ms at the rate (at least 32 kbit), packets queued at most 50 ms
                     burst = max(32, int(rate_mbit * 10))
-                    subprocess.run(["tc", *netns, "qdisc", "add", *dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                                    "burst", f"{burst}kbit", "latency", "50ms"], capture_output=True, check=True,
-                                   timeout=30)
+                    subprocess.run([*tc, "add", *dev, "tbf", "rate", f"{rate_mbit}mbit", "burst", f"{burst}kbit",
+                                    "latency", "50ms"], capture_output=True, check=True, timeout=30)
 
     def cut(self, host: Host) -> None:
         """``host``'s link down: it reaches no other host (its processes go on)."""
@@ -202,7 +206,7 @@ class Cluster:
             self._reaper.wait(timeout=10)
 
 
-_counter = iter(range(1, 1 << 30))
+_counter = itertools.count(1)
 
 
 def teardown(name: str) -> None:
@@ -234,31 +238,19 @@ def _owner(name: str) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep() -> list[str]:
     """Tear down the clusters whose owner has died (a ``kill -9`` before the reaper could act); returns them."""
     seen = {n.split()[0][: n.split()[0].rindex("h")] for n in _ip("netns", "list", check=False).stdout.splitlines()
             if n.startswith(PREFIX) and "h" in n.split()[0][len(PREFIX):]}
     seen |= {p.name[: p.name.rindex("h")] for p in NETNS_ETC.glob(PREFIX + "*")} if NETNS_ETC.is_dir() else set()
-    dead = sorted(name for name in seen if not _alive(_owner(name)))
+    dead = sorted(name for name in seen if not alive(_owner(name)))
     for name in dead:
         teardown(name)
     return dead
 
 
 def _reap(owner: int, name: str) -> None:
-    from roboscale.utils.lifetime import when_gone
-
-    gone = __import__("threading").Event()
+    gone = threading.Event()
     when_gone(owner, gone.set)
     gone.wait()
     teardown(name)

@@ -46,10 +46,14 @@ class SupervisedJob:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.batch_size = cfg.batch_size
         self.sources: list[FrameSource] = []
         self.weights: list[float | None] = []
         self.meta: SourceMeta | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch: ``--batch_size``."""
+        return self.cfg.batch_size
 
     def build_policy(self, trainer: TrainerView, resumed: Policy | None) -> Policy:
         cfg = self.cfg

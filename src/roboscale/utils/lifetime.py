@@ -59,14 +59,15 @@ def when_gone(pid: int, action: Callable[[], Any]) -> None:
         if pidfd is not None:
             select.select([pidfd], [], [])  # a pidfd turns readable when its process has ended
         else:
-            while pid > 0 and _alive(pid):
+            while pid > 0 and alive(pid):
                 time.sleep(_POLL_S)
         action()
 
     threading.Thread(target=wait_then_act, name=f"when-{pid}-ends", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -98,12 +98,17 @@ def init_distributed(timeout_s: float, num_threads: int = 0) -> DistributedEnv:
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
-    """torchrun's store, under a prefix of its own per restart: after ``--max-restarts`` restarted the ranks, the
-    agent's store still held the dead ranks' gloo addresses under the same keys, and the new ranks tried to
-    connect to them (connection refused) about half the time."""
+    """torchrun's store for this round of ranks. The agent's shared store outlives a restart: the dead ranks'
+    gloo addresses stayed under the same keys and the new ranks tried to connect to them (connection refused)
+    about half the time, so each restart gets a prefix of its own. Without the shared store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, what a host joining a running job needs: README, "Clusters") each
+    round's rank 0 hosts a new store, and no prefix is needed -- nor could one be agreed on, since the agents'
+    restart counts differ once a host has rejoined (a restarted agent counts 1, a new one 0)."""
     from torch.distributed.rendezvous import rendezvous
 
     store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "False":
+        return store
     return dist.PrefixStore(f"roboscale/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -195,6 +195,11 @@ class Cluster:
     def restore(self, host: Host) -> None:
         _ip("link", "set", host.link, "up")
 
+    def bytes_through(self, host: Host) -> int:
+        """Bytes that crossed ``host``'s link so far, both directions (what it exchanged with the other hosts)."""
+        stats = Path("/sys/class/net") / host.link / "statistics"
+        return sum(int((stats / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
+
     # --- teardown -------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Every process on the hosts killed, the namespaces, links, bridge and /etc/netns entries removed;

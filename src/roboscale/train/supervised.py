@@ -99,10 +99,11 @@ class SupervisedJob:
         if trainer.env.is_main:
             sources = self.sources
             log.info("policy %s: %.2fM parameters; data %s: %d episodes, %d frames, %d batches per epoch, %d "
-                     "loader workers per rank; %d ranks (%s)", policy.name,
+                     "loader workers per rank; %d ranks (%s, %d x %d mesh)", policy.name,
                      sum(p.numel() for p in policy.parameters()) / 1e6, self.meta.root,
                      sum(len(s.episode_lengths) for s in sources), sum(int(s.episode_lengths.sum()) for s in sources),
-                     loader.batches_per_epoch, loader.num_workers, trainer.env.world_size, trainer.plan.strategy)
+                     loader.batches_per_epoch, loader.num_workers, trainer.env.world_size, trainer.plan.strategy,
+                     trainer.plan.dp_replicate, trainer.plan.dp_shard)
         return TrainingComponents(data=loader, objective=objective)
 
     def build_loader(self, trainer: TrainerView) -> StreamingLoader:

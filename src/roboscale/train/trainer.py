@@ -256,7 +256,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own checkpointed state (``trainer_state.json``); the optimizer's is in the sharded part."""
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
-                "world_size": self.env.world_size, "strategy": self.plan.strategy}
+                "world_size": self.env.world_size, "strategy": self.plan.strategy,
+                "mesh": [self.plan.dp_replicate, self.plan.dp_shard]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])

@@ -29,6 +29,7 @@ def test_yaml_file_then_overrides_in_order(tmp_path):
         (["--policy.type=nope"], r"policy.type: 'nope' is not one of \[.*'pi05'\]"),
         (["--resume=maybe"], r"resume: expected true/false"),
         (["--config=/does/not/exist.yaml"], r"--config: /does/not/exist.yaml does not exist"),
+        (["--ray.placement_strategy=spread"], r"--ray.placement_strategy must be one of PACK, SPREAD, "),
     ],
 )
 def test_bad_options_give_one_clear_error(argv, message):
@@ -82,3 +83,14 @@ def test_space_separated_values_make_a_list_and_dashes_are_accepted():
     cfg = parse(GenerateConfig, ["--tasks", "drawer-open", "drawer-close", "--episodes-per-task", "3"])
     assert cfg.tasks == ["drawer-open", "drawer-close"] and cfg.episodes_per_task == 3
     assert parse(GenerateConfig, ["--tasks=mt10"]).tasks == ["mt10"]
+
+
+def test_rollout_resources_are_parsed_and_need_a_ray_cluster():
+    from roboscale.configs.eval import EvalConfig
+
+    cfg = parse(EvalConfig, ["--rollout.ray_address=host0:6379", '--rollout.ray_resources={"sim": 1}'])
+    assert cfg.rollout.ray_resources == {"sim": 1}
+    with pytest.raises(ConfigError, match="--rollout.ray_resources places Ray tasks: give --rollout.ray_address"):
+        parse(EvalConfig, ['--rollout.ray_resources={"sim": 1}'])
+    with pytest.raises(ConfigError, match="each amount must be a positive number"):
+        parse(EvalConfig, ["--rollout.ray_address=host0:6379", '--rollout.ray_resources={"sim": 0}'])

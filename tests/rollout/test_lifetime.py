@@ -24,7 +24,7 @@ EXACT = {"runner": RunnerConfig(max_batch_size=1, threads=1)}  # every policy ca
 @pytest.fixture
 def launcher(monkeypatch) -> CountingLauncher:
     launcher = CountingLauncher()
-    monkeypatch.setattr(engine_module, "launcher_for", lambda address: launcher)
+    monkeypatch.setattr(engine_module, "launcher_for", lambda address, resources=None: launcher)
     return launcher
 
 

@@ -129,6 +129,10 @@ class RolloutConfig:
     """Run workers and servers as tasks on this Ray cluster (HOST:PORT); empty: local processes."""
     worker_cpus: float = 1.0
     """CPUs a Ray env worker reserves (fractions allowed)."""
+    ray_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each env worker and inference server also reserves: they run only on nodes that
+    offer them (`ray start --resources='{"sim": 8}'` on the simulation hosts, then '{"sim": 1}' here). The
+    channels between the engine and its processes stay on the engine's own node."""
     server: str = ""
     """A running policy server (`roboscale serve`) to predict with, ws://HOST:PORT, instead of loading the policy
     here: each environment is one of its clients (the server batches them), episodes end as with local inference.
@@ -151,5 +155,10 @@ class RolloutConfig:
         if self.server and self.sampler.stochastic:
             raise ConfigError("--rollout.server predicts with the server's ode sampler; --rollout.sampler=sde needs "
                               "the policy here")
+        if self.ray_resources and not self.ray_address:
+            raise ConfigError("--rollout.ray_resources places Ray tasks: give --rollout.ray_address too")
+        if any(not isinstance(v, int | float) or v <= 0 for v in self.ray_resources.values()):
+            raise ConfigError(f"--rollout.ray_resources: each amount must be a positive number, got "
+                              f"{self.ray_resources}")
         if self.max_retries < 0 or self.watchdog_s <= 0 or self.spare_envs < 0:
             raise ConfigError("--rollout.max_retries and spare_envs must be >= 0 and --rollout.watchdog_s > 0")

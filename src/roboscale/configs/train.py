@@ -140,6 +140,9 @@ class ParallelConfig:
             raise ConfigError(f"--parallel.timeout_s must be positive, got {self.timeout_s}")
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+
+
 @dataclass
 class RayLaunchConfig:
     """`--launcher=ray`: Ray Train's TorchTrainer runs the same training on Ray workers."""
@@ -154,10 +157,16 @@ class RayLaunchConfig:
     """One GPU per worker."""
     max_failures: int = 2
     """Times Ray restarts failed workers; each restart resumes from the last checkpoint."""
+    placement_strategy: str = "PACK"
+    """Where the workers go, as Ray's placement groups say it: PACK (as few nodes as possible), SPREAD (one per
+    node where it can), STRICT_SPREAD (one per node, or wait for nodes), STRICT_PACK (all on one node)."""
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
             raise ConfigError(f"--ray.num_workers must be positive, got {self.num_workers}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"--ray.placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got "
+                              f"{self.placement_strategy!r}")
 
 
 @dataclass

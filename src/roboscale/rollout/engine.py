@@ -247,7 +247,7 @@ class RolloutEngine:
 
     def _open(self) -> None:
         if self._launcher is None:
-            self._launcher = launcher_for(self.cfg.ray_address)
+            self._launcher = launcher_for(self.cfg.ray_address, self.cfg.ray_resources)
 
     def _new_pool(self) -> _Pool:
         """A pool with the weights the engine holds, loaded by every process that predicts."""

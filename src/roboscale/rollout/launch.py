@@ -136,10 +136,14 @@ class _RayHandle:
 
 
 class RayLauncher:
-    """Ray tasks on the cluster at ``address`` (or a local Ray bound to 127.0.0.1 for ``address == "local"``)."""
+    """Ray tasks on the cluster at ``address`` (or a local Ray bound to 127.0.0.1 for ``address == "local"``),
+    each also reserving the custom ``resources`` (which nodes may run it). The channels are actors on this
+    process's node: a lost node takes its tasks with it, never the engine's channels to the others."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, resources: dict[str, float] | None = None):
         from roboscale.utils.ray_cluster import reachable_or_raise, start_or_join_ray
+
+        self._resources = dict(resources or {})
 
         if address != "local":
             reachable_or_raise(address, option="--rollout.ray_address")
@@ -157,16 +161,19 @@ class RayLauncher:
         return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
     def channel(self) -> Channel:
+        import ray
         from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return Queue(actor_options={"num_cpus": 0})
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
 
     def start(self, target: Callable[..., None], args: tuple, *, name: str, cpus: float = 1.0,
               gpus: float = 0.0) -> Handle:
         import ray
 
         env = {k: v for k, v in os.environ.items() if k.startswith(("MUJOCO_", "PYOPENGL_", "OMP_"))}
-        remote = ray.remote(num_cpus=cpus, num_gpus=gpus, max_retries=0,
+        remote = ray.remote(num_cpus=cpus, num_gpus=gpus, resources=self._resources or None, max_retries=0,
                             runtime_env={"env_vars": env} if env else None)(target)
         return _RayHandle(remote.options(name=name).remote(*args), name)
 
@@ -177,5 +184,5 @@ class RayLauncher:
             ray.shutdown()
 
 
-def launcher_for(ray_address: str) -> Launcher:
-    return RayLauncher(ray_address) if ray_address else LocalLauncher()
+def launcher_for(ray_address: str, ray_resources: dict[str, float] | None = None) -> Launcher:
+    return RayLauncher(ray_address, ray_resources) if ray_address else LocalLauncher()

@@ -64,7 +64,8 @@ def _fit(cfg: TrainConfig, output_dir: Path) -> None:
         train_loop_config={"config": worker_cfg},
         torch_config=TorchConfig(backend="nccl" if ray_cfg.use_gpu else "gloo", timeout_s=int(cfg.parallel.timeout_s)),
         scaling_config=ScalingConfig(num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu,
-                                     resources_per_worker={"CPU": ray_cfg.cpus_per_worker}),
+                                     resources_per_worker={"CPU": ray_cfg.cpus_per_worker},
+                                     placement_strategy=ray_cfg.placement_strategy),
         run_config=RunConfig(name="roboscale-train", storage_path=str(output_dir / "ray"),
                              failure_config=FailureConfig(max_failures=ray_cfg.max_failures)),
     )

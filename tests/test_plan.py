@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from roboscale.cli import main
-from roboscale.plan import Cluster, Network, Workload, comm_seconds, plan_rows, predict_step_time
+from roboscale.plan import Cluster, Network, Workload, bytes_across_nodes, comm_seconds, plan_rows, predict_step_time
 
 GPUS = [1, 2, 4, 8, 16, 64, 256, 1024]
 
@@ -88,6 +88,25 @@ def test_hsdp_is_fsdp_inside_one_node_and_keeps_gathers_off_rdma_across_nodes():
     assert comm_seconds(WORKLOAD, 8, network, "hsdp") == comm_seconds(WORKLOAD, 8, network, "fsdp")
     assert comm_seconds(WORKLOAD, 64, network, "hsdp") < comm_seconds(WORKLOAD, 64, network, "fsdp")
     assert math.isclose(comm_seconds(WORKLOAD, 1, network, "hsdp"), 0)
+
+
+def test_a_backend_s_own_collective_rates_and_its_reduce_scatter_traffic():
+    """gloo on CPU: each collective at its own rate inside a node, and a reduce-scatter that moves an all-reduce's
+    bytes (what benchmarks/multihost.py measured); the link bound stays the link's."""
+    ring = Network(ranks_per_node=2, intra_Bps=1e9, inter_Bps=1e8)
+    gloo = replace(ring, collective_Bps={"reduce_scatter": 0.5e9}, reduce_scatter_traffic=2.0)
+    w = WORKLOAD
+    # one node of 2: the reduce-scatter's share of FSDP's time is 2 (traffic) x 2 (half the rate) as long
+    rs_ring = 0.5 * w.grad_bytes / 1e9
+    assert comm_seconds(w, 2, gloo, "fsdp") - comm_seconds(w, 2, ring, "fsdp") == pytest.approx(3 * rs_ring)
+    # across 2 nodes of 2 the link sets the pace: each collective's ring bytes over it, the reduce-scatter's twice
+    across = 0.75 * (w.gather_bytes + w.backward_gather_bytes + 2 * w.grad_bytes) / 1e8
+    assert comm_seconds(w, 4, gloo, "fsdp") == pytest.approx(across + 3 * w.units * gloo.latency_s)
+    assert bytes_across_nodes(w, 4, gloo, "fsdp") == pytest.approx(2 * 0.75 * (6e9 + 6e9 + 2 * 12e9))
+    assert bytes_across_nodes(w, 4, ring, "ddp") == pytest.approx(2 * 2 * 0.75 * 12e9)
+    # HSDP: only the gradients' all-reduce between the 2 nodes, the node's ranks sharing its link
+    assert bytes_across_nodes(w, 4, gloo, "hsdp") == pytest.approx(2 * 2 * 0.5 * 12e9)
+    assert bytes_across_nodes(w, 2, gloo, "fsdp") == 0
 
 
 def _plan(capsys, *args):

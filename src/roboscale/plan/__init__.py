@@ -7,8 +7,18 @@ data rate) for a policy preset at several GPU counts.
 - ``run`` / ``report``: from the command's config to results, and their text.
 """
 
-from roboscale.plan.model import Cluster, Network, Row, StepTime, Workload, comm_seconds, plan_rows, predict_step_time
+from roboscale.plan.model import (
+    Cluster,
+    Network,
+    Row,
+    StepTime,
+    Workload,
+    bytes_across_nodes,
+    comm_seconds,
+    plan_rows,
+    predict_step_time,
+)
 from roboscale.plan.workload import DataCost, workload_of
 
-__all__ = ["Cluster", "DataCost", "Network", "Row", "StepTime", "Workload", "comm_seconds", "plan_rows",
-           "predict_step_time", "workload_of"]
+__all__ = ["Cluster", "DataCost", "Network", "Row", "StepTime", "Workload", "bytes_across_nodes", "comm_seconds",
+           "plan_rows", "predict_step_time", "workload_of"]

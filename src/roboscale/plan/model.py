@@ -12,6 +12,8 @@ Rules, each a stated assumption:
   over n ranks moves (n - 1) / n of the data through each rank's link per collective (all-reduce: twice that);
 - links: inside a node, NVLink per GPU and direction; a collective spanning nodes is limited by the slower of
   NVLink and the node's RDMA bandwidth (NCCL runs one ring per NIC, so the node's data crosses its NICs once);
+  where a backend's collectives differ, each has its own rate inside a node (gloo on CPU: reductions add on the
+  cores that compute), and a reduce-scatter may move more than a ring's bytes (gloo's: an all-reduce's, 2x);
 - HSDP: sharded within a node (NVLink), gradients all-reduced across nodes, one shard per GPU on its own NIC;
 - DDP: one all-reduce of the gradients per step;
 - each collective also pays a fixed latency, one per parallel unit and collective;
@@ -24,7 +26,8 @@ Rules, each a stated assumption:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 STRATEGIES = ("fsdp", "hsdp", "ddp")
 
@@ -52,6 +55,9 @@ class Workload:
     """CPU-seconds the loader spends on one sample (decode, resize, transform)."""
 
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
 @dataclass(frozen=True)
 class Network:
     """Effective bandwidths (what collectives reach, in bytes/s per direction) and per-collective latency."""
@@ -62,11 +68,23 @@ class Network:
     inter_Bps: float
     """Per node, across nodes (RDMA: all NICs of the node together)."""
     latency_s: float = 0.0
+    collective_Bps: Mapping[str, float] = field(default_factory=dict)
+    """Per rank inside a node, per collective (all_gather, reduce_scatter, all_reduce), where the backend's
+    collectives run at different rates (gloo on CPU: a reduction adds as it copies, on the cores that compute);
+    a collective not named runs at intra_Bps."""
+    reduce_scatter_traffic: float = 1.0
+    """Bytes a reduce-scatter moves through each link, in multiples of a ring reduce-scatter's ((n - 1) / n of
+    the data): 1 for NCCL; 2 for gloo (torch 2.13), which all-reduces the whole tensor and keeps its shard
+    (benchmarks/multihost.py counts the bytes that cross the link between two hosts)."""
 
     @classmethod
     def single_host(cls, ranks: int, Bps: float, latency_s: float = 0.0) -> Network:
         """Processes on one machine (CPU ranks over gloo): every collective at ``Bps`` per rank."""
         return cls(ranks_per_node=max(ranks, 1), intra_Bps=Bps, inter_Bps=Bps, latency_s=latency_s)
+
+    def rate(self, collective: str) -> float:
+        """Bytes/s per rank of ``collective`` inside a node."""
+        return self.collective_Bps.get(collective, self.intra_Bps)
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,20 @@ def _ring(n: int, nbytes: float, Bps: float) -> float:
     return 0.0 if n <= 1 or nbytes == 0 else (n - 1) / n * nbytes / Bps
 
 
+_PASSES = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+"""A ring all-reduce is a reduce-scatter then an all-gather: twice the bytes of either."""
+
+
+def _collective(network: Network, kind: str, n: int, nbytes: float, spans_nodes: bool) -> float:
+    """One ring collective of ``nbytes`` over ``n`` ranks: the slower of the ranks' own rate and, for a ring that
+    spans nodes, the node's link (each direction of it carries one ring edge)."""
+    passes = _PASSES[kind] * (network.reduce_scatter_traffic if kind == "reduce_scatter" else 1.0)
+    seconds = passes * _ring(n, nbytes, network.rate(kind))
+    if spans_nodes:
+        seconds = max(seconds, passes * _ring(n, nbytes, network.inter_Bps))
+    return seconds
+
+
 def comm_seconds(workload: Workload, ranks: int, network: Network, strategy: str) -> float:
     """Seconds of collectives per optimizer step (no overlap), by the module docstring's rules."""
     if strategy not in STRATEGIES:
@@ -105,19 +137,44 @@ def comm_seconds(workload: Workload, ranks: int, network: Network, strategy: str
         return 0.0
     per_node = min(ranks, network.ranks_per_node)
     nodes = math.ceil(ranks / per_node)
-    # a ring spanning nodes runs at the slower of a rank's link and the node's share through its NICs
-    spanning = network.intra_Bps if nodes == 1 else min(network.intra_Bps, network.inter_Bps)
     w = workload
     if strategy == "ddp":
-        return 2 * _ring(ranks, w.grad_bytes, spanning) + w.units * network.latency_s
+        return _collective(network, "all_reduce", ranks, w.grad_bytes, nodes > 1) + w.units * network.latency_s
     if strategy == "fsdp" or nodes == 1:
-        seconds = sum(_ring(ranks, b, spanning) for b in (w.gather_bytes, w.backward_gather_bytes, w.grad_bytes))
+        spans = nodes > 1
+        seconds = (_collective(network, "all_gather", ranks, w.gather_bytes, spans)
+                   + _collective(network, "all_gather", ranks, w.backward_gather_bytes, spans)
+                   + _collective(network, "reduce_scatter", ranks, w.grad_bytes, spans))
         return seconds + 3 * w.units * network.latency_s
-    # hsdp: shard and gather inside the node; each GPU all-reduces its gradient shard across nodes on its NIC
-    inside = sum(_ring(per_node, b, network.intra_Bps)
-                 for b in (w.gather_bytes, w.backward_gather_bytes, w.grad_bytes))
-    across = 2 * _ring(nodes, w.grad_bytes, network.inter_Bps)
+    # hsdp: shard and gather inside the node; each rank all-reduces its gradient shard across nodes, the node's
+    # ranks at once sharing its link
+    inside = (_collective(network, "all_gather", per_node, w.gather_bytes, False)
+              + _collective(network, "all_gather", per_node, w.backward_gather_bytes, False)
+              + _collective(network, "reduce_scatter", per_node, w.grad_bytes, False))
+    across = max(_collective(network, "all_reduce", nodes, w.grad_bytes / per_node, False),
+                 2 * _ring(nodes, w.grad_bytes, network.inter_Bps))
     return inside + across + 4 * w.units * network.latency_s
+
+
+def bytes_across_nodes(workload: Workload, ranks: int, network: Network, strategy: str) -> float:
+    """Bytes one node's link carries per optimizer step, both directions together, by the same rules."""
+    per_node = min(ranks, network.ranks_per_node)
+    nodes = math.ceil(ranks / per_node)
+    if nodes <= 1:
+        return 0.0
+    w = workload
+
+    def ring_bytes(n: int, nbytes: float) -> float:  # through one direction of a node's link
+        return (n - 1) / n * nbytes
+
+    if strategy == "ddp":
+        one_way = 2 * ring_bytes(ranks, w.grad_bytes)
+    elif strategy == "fsdp":
+        one_way = (ring_bytes(ranks, w.gather_bytes) + ring_bytes(ranks, w.backward_gather_bytes)
+                   + network.reduce_scatter_traffic * ring_bytes(ranks, w.grad_bytes))
+    else:
+        one_way = 2 * ring_bytes(nodes, w.grad_bytes)
+    return 2 * one_way
 
 
 def predict_step_time(workload: Workload, *, ranks: int, batch_size: int, network: Network,

@@ -238,7 +238,8 @@ def teardown(name: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _owner(name: str) -> int:
+def owner_pid(name: str) -> int:
+    """The pid of the process that made cluster ``name`` (or a directory named after it); -1 if not a cluster's."""
     digits = name.removeprefix(PREFIX).split("x")[0]
     return int(digits) if digits.isdigit() else -1
 
@@ -248,7 +249,7 @@ def sweep() -> list[str]:
     seen = {n.split()[0][: n.split()[0].rindex("h")] for n in _ip("netns", "list", check=False).stdout.splitlines()
             if n.startswith(PREFIX) and "h" in n.split()[0][len(PREFIX):]}
     seen |= {p.name[: p.name.rindex("h")] for p in NETNS_ETC.glob(PREFIX + "*")} if NETNS_ETC.is_dir() else set()
-    dead = sorted(name for name in seen if not alive(_owner(name)))
+    dead = sorted(name for name in seen if not alive(owner_pid(name)))
     for name in dead:
         teardown(name)
     return dead

@@ -26,7 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from roboscale.testing.cluster import Cluster, Host
+from roboscale.testing.cluster import PREFIX, Cluster, Host, owner_pid
+from roboscale.utils.lifetime import alive
 
 GCS_PORT = 6379
 DASHBOARD_PORT = 8265
@@ -41,6 +42,19 @@ while len([n for n in ray.nodes() if n["Alive"]]) != int(sys.argv[2]):
         sys.exit(f"alive nodes: {[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]}")
     time.sleep(0.5)
 """
+
+
+TEMP_ROOT = "/tmp"
+"""Each RayCluster's nodes keep their sessions in ``TEMP_ROOT/<cluster name>r<random>`` (short: Ray's socket
+paths must fit in 107 characters)."""
+
+
+def _sweep() -> None:
+    """Remove the directories of Ray clusters whose owner died (``kill -9``: the cluster's reaper ended their
+    processes, nothing removed their files)."""
+    for root in Path(TEMP_ROOT).glob(f"{PREFIX}*x*r*"):
+        if root.is_dir() and not alive(owner_pid(root.name)):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def ray_cli() -> str:
@@ -61,7 +75,8 @@ class RayCluster:
             raise ValueError(f"cpus: one count per host ({hosts}), got {self.cpus}")
         self.resources = {i: dict(r) for i, r in (resources or {}).items()}
         self.dashboard = dashboard
-        self.root = Path(tempfile.mkdtemp(prefix=f"{cluster.name}r", dir="/tmp"))
+        _sweep()
+        self.root = Path(tempfile.mkdtemp(prefix=f"{cluster.name}r", dir=TEMP_ROOT))
         self.token = secrets.token_hex(32)
 
     @property

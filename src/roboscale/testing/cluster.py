@@ -33,6 +33,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from roboscale.utils.lifetime import alive, when_gone
 
@@ -57,6 +58,29 @@ def available() -> str:
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+class Closing:
+    """A context manager that either comes up whole or leaves nothing: ``__enter__`` runs ``open``, and on any
+    failure of it (an error, Ctrl-C) ``close``, which must undo whatever part of ``open`` ran; ``__exit__``
+    runs ``close``."""
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -100,7 +124,7 @@ class Host:
 
 
 @dataclass
-class Cluster:
+class Cluster(Closing):
     """``with Cluster(2) as cluster:`` N hosts ``host0`` .. on a bridge of their own (see the module docstring);
     ``rate_mbit``: every link limited to that rate (None: as fast as the machine)."""
 
@@ -130,7 +154,7 @@ class Cluster:
         h = zlib.crc32(self.name.encode())
         return f"10.{200 + h % 50}.{(h >> 8) % 256}"
 
-    def __enter__(self) -> Cluster:
+    def open(self) -> None:
         reason = available()
         if reason:
             raise RuntimeError(f"cannot make a cluster here: {reason}")
@@ -138,15 +162,7 @@ class Cluster:
         self._reaper = subprocess.Popen([sys.executable, "-m", "roboscale.testing.cluster", "reap",
                                          str(os.getpid()), self.name], start_new_session=True,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._build()
 
     def _build(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from roboscale.testing.cluster import PREFIX, Cluster, Host, owner_pid
+from roboscale.testing.cluster import PREFIX, Closing, Cluster, Host, owner_pid
 from roboscale.utils.lifetime import alive
 
 GCS_PORT = 6379
@@ -61,7 +61,7 @@ def ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-class RayCluster:
+class RayCluster(Closing):
     """``with RayCluster(cluster) as ray_cluster:`` Ray on every host of ``cluster``; ``cpus``: each node's CPUs
     (one number for all, or one per host), ``resources``: custom resources by host index, ``dashboard``: the head's
     dashboard (the job server `ray job submit` talks to) on host0's address."""
@@ -101,18 +101,10 @@ class RayCluster:
     def temp_dir(self, host: Host) -> Path:
         return self.root / host.name
 
-    def __enter__(self) -> RayCluster:
-        try:
-            for host in self.cluster.hosts:
-                self.start_node(host, wait=False)
-            self.wait_for_nodes(len(self.cluster.hosts))
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def open(self) -> None:
+        for host in self.cluster.hosts:
+            self.start_node(host, wait=False)
+        self.wait_for_nodes(len(self.cluster.hosts))
 
     def start_node(self, host: Host, wait: bool = True) -> None:
         """`ray start` on ``host``: the head on host0, a worker node joining it elsewhere (again after

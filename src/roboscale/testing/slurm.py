@@ -62,7 +62,7 @@ class SlurmError(RuntimeError):
 
 
 @dataclass
-class LocalSlurm:
+class LocalSlurm(box.Closing):
     """``with LocalSlurm(nodes=2) as slurm:`` a SLURM of ``nodes`` hosts, each with ``cpus`` CPUs (default: this
     machine's) and an equal share of this machine's memory, in one partition ``debug``; see the module
     docstring."""
@@ -75,7 +75,7 @@ class LocalSlurm:
     _daemons: list[tuple[str, subprocess.Popen]] = field(init=False, default_factory=list)
 
     # --- lifetime -------------------------------------------------------------------------------------------
-    def __enter__(self) -> LocalSlurm:
+    def open(self) -> None:
         reason = available()
         if reason:
             raise SlurmError(f"cannot start a local SLURM here: {reason}")
@@ -83,16 +83,8 @@ class LocalSlurm:
         # munged requires every directory above its socket to be searchable by all (mkdtemp makes it 0700)
         self.directory = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
         self.directory.chmod(0o755)
-        try:
-            self.cluster = box.Cluster(self.nodes).__enter__()
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.cluster = box.Cluster(self.nodes).__enter__()
+        self._start()
 
     def close(self) -> None:
         """Every process on the hosts killed (daemons and jobs), the hosts and the directory removed;

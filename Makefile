@@ -15,7 +15,7 @@ export PYOPENGL_PLATFORM ?= egl
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[sim,libero,test,lake,train,serve]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[sim,libero,test,lake,train,serve,onnx]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
 $(OPENPI_VENV)/.installed:

@@ -44,7 +44,7 @@ ONLY_WITH: dict[str, dict[str, str]] = {
            "rollout.sampler.sde_steps": "(read in the env workers)"},
     "eval": dict(ROLLOUT_ONLY_WITH),
     "serve": {},
-    "data tasks": {}, "data validate": {}, "model info": {}, "export": {}, "report": {}, "eval compare": {},
+    "data tasks": {}, "data validate": {}, "model info": {}, "export": {"onnx.*": "--format=onnx"}, "report": {}, "eval compare": {},
     "plan": {"fp8_speedup": "--precision=fp8"}, "lake build": {}, "data convert": {},
 }
 """Per command, the options a default run does not read, with the choice that makes them matter."""

@@ -215,8 +215,8 @@ def _export(argv: list[str]) -> None:
 
     cfg = parse(ExportConfig, argv, prog="roboscale export", positional=("checkpoint",))
     if not cfg.checkpoint or not cfg.output:
-        raise ConfigError("usage: roboscale export CHECKPOINT --output DIR [--format=roboscale|lerobot]")
-    print(f"exported to {export_checkpoint(cfg.checkpoint, cfg.output, cfg.format)}")
+        raise ConfigError("usage: roboscale export CHECKPOINT --output DIR [--format=roboscale|onnx|lerobot]")
+    print(f"exported to {export_checkpoint(cfg.checkpoint, cfg.output, cfg.format, cfg.onnx)}")
 
 
 def _plan(argv: list[str]) -> None:
@@ -252,7 +252,8 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     },
     "train": Command("train a policy on a LeRobot v3.0 dataset", _train),
     "rl": Command("RL post-training of a supervised checkpoint in the simulator (GRPO, PPO)", _rl),
-    "export": Command("write a checkpoint's consolidated policy (pretrained_model) to a directory", _export),
+    "export": Command("write a checkpoint's consolidated policy (pretrained_model, or ONNX graphs) to a directory",
+                      _export),
     "eval": Command("evaluate a checkpoint in closed loop in simulation (eval compare RUN_A RUN_B: compare runs)",
                     _eval),
     "serve": Command("serve a checkpoint to robot clients over openpi's websocket protocol (127.0.0.1 by default)",

@@ -58,12 +58,31 @@ def _as_option(value: Any) -> str:
     return str(value)
 
 
+POLICY_BACKENDS = ("torch", "onnx")
+
+
+@dataclass
+class EvalPolicy:
+    """What runs the checkpoint's policy."""
+
+    backend: str = "torch"
+    """torch (the checkpoint in PyTorch), or onnx (--checkpoint is a directory `roboscale export --format=onnx`
+    wrote, run by onnxruntime)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in POLICY_BACKENDS:
+            raise ConfigError(f"--policy.backend must be one of {list(POLICY_BACKENDS)}, got {self.backend!r}")
+
+
 @dataclass
 class EvalConfig(EvalProtocol):
     """`roboscale eval`: closed-loop evaluation of a checkpoint in simulation (MetaWorld by default)."""
 
     checkpoint: str = ""
-    """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last)."""
+    """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last); with
+    --policy.backend=onnx, an exported directory."""
+    policy: EvalPolicy = field(default_factory=EvalPolicy)
+    """--policy.backend: torch or onnx."""
     video_camera: str = ""
     """Camera shown in the videos (empty: the simulator's; MetaWorld corner2, LIBERO image)."""
     instructions: dict[str, str] = field(default_factory=dict)

@@ -18,6 +18,25 @@ class ModelInfoConfig:
 
 
 @dataclass
+class OnnxExportOptions:
+    """--format=onnx: which graphs to write (``roboscale.deploy.export``)."""
+
+    attention_backend: str = ""
+    """The attention the graphs compute (empty: the checkpoint's; auto is sdpa): sdpa, dense or eager. varlen and
+    flex are kernels with no ONNX operator."""
+    rtc: bool = True
+    """Also write the guided denoiser real-time chunking needs (serve --rtc; its backward pass traced in)."""
+    unrolled: bool = False
+    """Also write the whole chunk as one graph (the encoder and every Euler step unrolled)."""
+    preferred_graph: str = "split"
+    """What the runtime runs by default: split (the encoder, then the denoiser once per step) or chunk (the
+    unrolled graph: needs --onnx.unrolled=true). docs/benchmarks.md measures both."""
+    tolerance: float = 1e-4
+    """The export is checked against PyTorch on the same observations and noise before it is written: the largest
+    action error allowed, relative to the chunk's largest action."""
+
+
+@dataclass
 class ExportConfig:
     """`roboscale export CHECKPOINT --output DIR`: a checkpoint's consolidated policy as a standalone directory."""
 
@@ -27,6 +46,9 @@ class ExportConfig:
     output: str = ""
     """The directory to write (config.json, model.safetensors, tokenizer.json); must not exist yet."""
     format: str = "roboscale"
-    """roboscale (ours), or lerobot (pi0.5: LeRobot's pretrained_model, which its PI05Policy.from_pretrained and
+    """roboscale (ours), onnx (graphs onnxruntime runs: `roboscale serve --backend=onnx`, `roboscale eval
+    --policy.backend=onnx`, examples/onnx_client.py; --onnx.*), or lerobot (pi0.5: LeRobot's pretrained_model, which its PI05Policy.from_pretrained and
     processors load; the architecture must be one LeRobot builds: Gemma 2B/300M, SigLIP So400m, the state in the
     prompt)."""
+    onnx: OnnxExportOptions = field(default_factory=OnnxExportOptions)
+    """--format=onnx: the graphs to write."""

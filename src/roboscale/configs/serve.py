@@ -16,13 +16,21 @@ def serve_runner() -> RunnerConfig:
     return RunnerConfig(max_batch_size=16)
 
 
+BACKENDS = ("torch", "onnx")
+"""What runs a policy (``rollout.inference.RunnerSettings.backend``)."""
+
+
 @dataclass
 class ServeConfig:
     """`roboscale serve`: a trained policy behind openpi's websocket policy protocol, for robot clients
     (``openpi_client.WebsocketClientPolicy``) and for `roboscale eval --rollout.server=ws://HOST:PORT`."""
 
     checkpoint: str = ""
-    """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last)."""
+    """A pretrained_model directory, a checkpoints/<step> directory, or a training output_dir (uses its last); with
+    --backend=onnx, a directory `roboscale export --format=onnx` wrote."""
+    backend: str = "torch"
+    """What runs the policy: torch, or onnx (onnxruntime on an exported directory; --runner.device cpu, cuda or
+    tensorrt picks its execution provider)."""
     host: str = "127.0.0.1"
     """The interface to listen on. Anything but a loopback address needs --api_key_file."""
     port: int = 8000
@@ -65,6 +73,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.keys not in KEY_PRESETS:
             raise ConfigError(f"--keys must be one of {list(KEY_PRESETS)}, got {self.keys!r}")
         from roboscale.models.rtc import SCHEDULES  # the policy's own list (serving loads torch anyway)

@@ -55,6 +55,12 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         policy_cfg, policy_name, checkpoint, checkpoint_sha256 = _served_policy(cfg)
     elif not cfg.checkpoint:
         raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or pretrained_model)")
+    elif cfg.policy.backend == "onnx":  # an exported directory: it names the weights it was exported from
+        from roboscale.rollout.onnx import exported_policy
+
+        checkpoint = Path(cfg.checkpoint).resolve()
+        exported = exported_policy(checkpoint)
+        policy_cfg, policy_name, checkpoint_sha256 = exported.config, exported.name, exported.weights_sha256
     else:
         checkpoint = resolve_checkpoint(cfg.checkpoint)
         policy = Policy.from_pretrained(checkpoint)  # a bad checkpoint fails here, at once, not in every worker
@@ -79,6 +85,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         "instructions": {task: instructions.get(task) or spec.instruction(task) for task in tasks},
         "videos_per_task": cfg.videos_per_task,
     }
+    if cfg.policy.backend != "torch":  # what ran the policy is part of what was measured (torch: as always)
+        protocol["backend"] = cfg.policy.backend
     meta: dict[str, Any] = {
         "label": label, "checkpoint": str(checkpoint), "policy_type": policy_name,
         "checkpoint_sha256": checkpoint_sha256, "protocol": protocol,
@@ -104,7 +112,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
             log.info("resuming: %d of %d episodes were already done (%s)", len(done), len(tasks) * cfg.episodes,
                      episode_log.path)
         setup = EnvSetup(cfg.env, str(checkpoint), policy_cfg.n_action_steps, request, video_camera,
-                         str(out_dir / "videos"))
+                         str(out_dir / "videos"), backend=cfg.policy.backend)
         results, stats = _run(RolloutEngine(cfg.rollout, setup), jobs, episode_log, progress)
         results = sorted([*done.values(), *results], key=lambda r: (tasks.index(r.task), r.episode))
         _select_videos(results, out_dir, cfg.videos_per_task)

@@ -72,6 +72,10 @@ class PolicySpec:
     """"module:function" ``(config) -> roboscale.models.flops.SampleFlops``: FLOPs of one training sample at the
     config's nominal size, by component; ``float()`` of it is the training total (MFU, ``roboscale plan``)."""
     foreign: Foreign | None = None
+    onnx: str | None = None
+    """"module:function" ``(policy) -> roboscale.models.onnx.OnnxModules``: its computation as the modules ONNX
+    export traces (``roboscale export --format=onnx``); raises ``UnsupportedOperation`` for a configuration a graph
+    cannot express."""
     uses_tokenizer: bool = True
     """The checkpoint carries tokenizer.json."""
 
@@ -86,6 +90,9 @@ class PolicySpec:
 
     def flops_function(self) -> Callable[..., Any] | None:
         return _load(self.flops) if self.flops else None
+
+    def onnx_function(self) -> Callable[..., Any]:
+        return _load(self.onnx)
 
 
 PI05_PRESETS: dict[str, dict] = {
@@ -134,6 +141,7 @@ SPECS: dict[str, PolicySpec] = {
         presets=PI05_PRESETS,
         fp8_filter="roboscale.models.pi05.modeling:fp8_filter",
         flops="roboscale.models.pi05.modeling:flops_per_sample",
+        onnx="roboscale.models.pi05.onnx:onnx_modules",
         foreign=Foreign(detect=lambda config: "paligemma_variant" in config,
                         load="roboscale.models.pi05.lerobot:load_lerobot_pi05",
                         config="roboscale.models.pi05.lerobot:config_from_lerobot",
@@ -146,6 +154,7 @@ SPECS: dict[str, PolicySpec] = {
         presets=GROOT_PRESETS,
         fp8_filter="roboscale.models.groot.modeling:fp8_filter",
         flops="roboscale.models.groot.modeling:flops_per_sample",
+        onnx="roboscale.models.groot.onnx:onnx_modules",
     ),
 }
 DEFAULT_POLICY = "pi05"

@@ -73,6 +73,11 @@ class TaskTokenizer:
         atomic_write_bytes(path, self._tok.to_str(pretty=False).encode())
 
     @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` it wraps (what an exported policy's runtime tokenizes with)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 

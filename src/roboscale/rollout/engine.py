@@ -79,6 +79,9 @@ class EnvSetup:
     """How each environment is built (``EnvSpec.make(task, request)``)."""
     video_camera: str = ""
     video_dir: str = ""
+    backend: str = "torch"
+    """What runs the policy in the processes that predict (``RunnerSettings.backend``): torch, or onnx
+    (``checkpoint`` is then an exported directory)."""
 
 
 @dataclass
@@ -361,7 +364,7 @@ class _Pool:
         # a server shares the cores with the env workers (which render on the CPU): more threads than its share
         # only make them wait for each other
         threads = inference_threads(cfg.runner.threads, cfg.servers + cfg.workers if serving else cfg.workers)
-        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler)
+        runner = RunnerSettings(setup.checkpoint, device, threads, cfg.sampler, backend=setup.backend)
         predictor = (RemoteSettings(cfg.server, read_key(cfg.server_api_key_file, "--rollout.server_api_key_file"))
                      if cfg.server else runner)
         self.servers: dict[str, Handle] = {}

@@ -74,6 +74,11 @@ class Prediction:
         return self.chunk if dtype is None else self.chunk.astype(dtype)
 
 
+BACKENDS = {"torch": "roboscale.rollout.inference:PolicyRunner", "onnx": "roboscale.rollout.onnx:OnnxPredictor"}
+"""What runs a policy, by name: each a ``Predictor`` built as ``(checkpoint, device, threads, sampler, rtc_schedule,
+rtc_max_guidance)``."""
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     """What a process that predicts builds its ``PolicyRunner`` from."""
@@ -86,10 +91,18 @@ class RunnerSettings:
     """Real-time chunking: how the guidance weights of ``committed`` actions after the delay decay."""
     rtc_max_guidance: float = 5.0
     """Real-time chunking: the largest guidance weight (beta of the paper)."""
+    backend: str = "torch"
+    """What runs the policy: torch (``checkpoint`` is a policy checkpoint, ``PolicyRunner``) or onnx (``checkpoint``
+    is an exported directory, ``rollout.onnx.OnnxPredictor``)."""
 
-    def build(self) -> PolicyRunner:
-        return PolicyRunner(self.checkpoint, self.device, self.threads, self.sampler, self.rtc_schedule,
-                            self.rtc_max_guidance)
+    def build(self) -> Any:
+        """The backend's ``rollout.predictor.Predictor`` (which imports this module: named, not imported, here)."""
+        from roboscale.utils.imports import load
+
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not one of {sorted(BACKENDS)}")
+        return load(BACKENDS[self.backend])(self.checkpoint, self.device, self.threads, self.sampler,
+                                            self.rtc_schedule, self.rtc_max_guidance)
 
 
 def resolve_device(device: str, option: str = "--runner.device") -> str:
@@ -230,28 +243,35 @@ class PolicyRunner:
         return [Prediction(chunks[i], None, self.version) for i in range(len(items))]
 
     def _chunk_guide(self, items: list[PredictItem]) -> ChunkGuide | None:
-        """The committed actions of ``items``, checked (a bad request names its field) and zero-padded to the chunk;
-        None for no items."""
+        """The committed actions of ``items`` as the policy takes them (``committed_actions`` checks them); None for
+        no items."""
         import torch
 
         from roboscale.models.rtc import ChunkGuide
 
         if not items:
             return None
-        horizon = self.noise_shape[0]
-        actions = np.zeros((len(items), horizon, self.action_width), dtype=np.float32)
-        counts = []
-        for row, item in zip(actions, items, strict=True):
-            committed = np.asarray(item.committed, dtype=np.float32)
-            if committed.ndim != 2 or committed.shape[0] > horizon or committed.shape[1] != self.action_width:
-                raise ValueError(f"committed has shape {list(committed.shape)}; expected [n, {self.action_width}] "
-                                 f"with n <= {horizon} (the chunk size)")
-            if not np.isfinite(committed).all():
-                raise ValueError("committed has non-finite values")
-            if not 0 <= item.delay <= len(committed):
-                raise ValueError(f"delay must be in [0, {len(committed)}] (the number of committed actions), "
-                                 f"got {item.delay}")
-            row[:len(committed)] = committed
-            counts.append(len(committed))
-        return ChunkGuide(torch.from_numpy(actions), torch.tensor(counts), torch.tensor([it.delay for it in items]),
+        actions, counts, delays = committed_actions(items, self.noise_shape[0], self.action_width)
+        return ChunkGuide(torch.from_numpy(actions), torch.from_numpy(counts), torch.from_numpy(delays),
                           self.rtc_schedule, self.rtc_max_guidance)
+
+
+def committed_actions(items: list[PredictItem], horizon: int, action_width: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Real-time chunking's request of each item, checked (a bad request names its field): the committed actions
+    zero-padded to the chunk [N, horizon, action_width], their counts [N] and delays [N]."""
+    actions = np.zeros((len(items), horizon, action_width), dtype=np.float32)
+    counts = []
+    for row, item in zip(actions, items, strict=True):
+        committed = np.asarray(item.committed, dtype=np.float32)
+        if committed.ndim != 2 or committed.shape[0] > horizon or committed.shape[1] != action_width:
+            raise ValueError(f"committed has shape {list(committed.shape)}; expected [n, {action_width}] "
+                             f"with n <= {horizon} (the chunk size)")
+        if not np.isfinite(committed).all():
+            raise ValueError("committed has non-finite values")
+        if not 0 <= item.delay <= len(committed):
+            raise ValueError(f"delay must be in [0, {len(committed)}] (the number of committed actions), "
+                             f"got {item.delay}")
+        row[:len(committed)] = committed
+        counts.append(len(committed))
+    return actions, np.asarray(counts, dtype=np.int64), np.asarray([it.delay for it in items], dtype=np.int64)

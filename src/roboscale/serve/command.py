@@ -10,6 +10,7 @@ policy, its config, the weights' sha256, the device).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from roboscale.config import to_dict
 from roboscale.configs.serve import ServeConfig
@@ -43,17 +44,21 @@ def build_server(cfg: ServeConfig, on_ready: Callable[[str, int], None] | None =
         raise ConfigError("--checkpoint is required (a training output_dir, checkpoints/<step>, or "
                           "pretrained_model)")
     options = server_options(cfg)
-    checkpoint = resolve_checkpoint(cfg.checkpoint)
+    onnx = cfg.backend == "onnx"
+    checkpoint = Path(cfg.checkpoint).resolve() if onnx else resolve_checkpoint(cfg.checkpoint)
     settings = RunnerSettings(str(checkpoint), cfg.runner.device, inference_threads(cfg.runner.threads, 1),
-                              rtc_schedule=cfg.rtc_schedule, rtc_max_guidance=cfg.rtc_max_guidance)
+                              rtc_schedule=cfg.rtc_schedule, rtc_max_guidance=cfg.rtc_max_guidance,
+                              backend=cfg.backend)
     runner = settings.build()  # a bad checkpoint fails here, before the port is opened
     policy_cfg = runner.policy.config
     layout = ObservationLayout.for_policy(runner.policy, cfg.keys, cfg.key_map, cfg.rtc, cfg.max_prompt_chars)
     metadata = {
         "server": "roboscale", "policy": runner.policy.name, "checkpoint": str(checkpoint),
-        "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"),
-        "policy_config": to_dict(policy_cfg), "n_action_steps": policy_cfg.n_action_steps,
-        "rtc": cfg.rtc, "device": str(runner.device),
+        # an export names the weights it was exported from: a client sees the same policy on either backend
+        "checkpoint_sha256": runner.policy.weights_sha256 if onnx else sha256_file(checkpoint / "model.safetensors"),
+        "policy_config": to_dict(policy_cfg),
+        "n_action_steps": policy_cfg.n_action_steps, "rtc": cfg.rtc, "device": str(runner.device),
+        "backend": cfg.backend,
     }
     return PolicyServer(runner, layout, metadata, options, on_ready=on_ready)
 

@@ -57,11 +57,15 @@ class Bounds:
     def of(cls, normalizer: Any) -> Bounds | None:
         """``OUT_OF_RANGE`` normalized units either side, in the data's width; None for an identity normalizer
         (no statistics to judge by: only finiteness is checked)."""
-        if normalizer.mode.value == "identity":
+        if getattr(normalizer.mode, "value", normalizer.mode) == "identity":
             return None
-        with torch.no_grad():
-            low = normalizer.unnormalize(torch.full((normalizer.dim,), -OUT_OF_RANGE)).numpy()
-            high = normalizer.unnormalize(torch.full((normalizer.dim,), OUT_OF_RANGE)).numpy()
+        if isinstance(normalizer, torch.nn.Module):
+            with torch.no_grad():
+                low = normalizer.unnormalize(torch.full((normalizer.dim,), -OUT_OF_RANGE)).numpy()
+                high = normalizer.unnormalize(torch.full((normalizer.dim,), OUT_OF_RANGE)).numpy()
+        else:  # an exported policy's statistics (``deploy.runtime.Normalization``): the same map in numpy
+            low = normalizer.unnormalize(np.full((normalizer.dim,), -OUT_OF_RANGE, np.float32))
+            high = normalizer.unnormalize(np.full((normalizer.dim,), OUT_OF_RANGE, np.float32))
         return cls(np.minimum(low, high).astype(np.float32), np.maximum(low, high).astype(np.float32))
 
     def check(self, values: np.ndarray, key: str, what: str) -> None:

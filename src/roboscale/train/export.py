@@ -11,20 +11,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
+from roboscale.configs.model import OnnxExportOptions
 from roboscale.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 OURS = "roboscale"
+ONNX = "onnx"
 
 
 def export_formats(policy_type: str) -> list[str]:
     """``--format`` values for a policy type: ours, and each framework its registry entry can write."""
     from roboscale.models.registry import get_spec
 
-    foreign = get_spec(policy_type).foreign
-    return [OURS] + ([foreign.format] if foreign is not None and foreign.save else [])
+    spec = get_spec(policy_type)
+    foreign = spec.foreign
+    return ([OURS] + ([ONNX] if spec.onnx else [])
+            + ([foreign.format] if foreign is not None and foreign.save else []))
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path, format: str = OURS) -> Path:
+def export_checkpoint(checkpoint: str | Path, output: str | Path, format: str = OURS,
+                      onnx: OnnxExportOptions | None = None) -> Path:
     from roboscale.models.policy import Policy, resolve_checkpoint
     from roboscale.models.registry import get_spec
     from roboscale.train.checkpoint import TRAIN_CONFIG
@@ -39,6 +48,16 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, format: str = 
     if format not in formats:
         raise ConfigError(f"--format: {format!r} is not one of {formats} (the formats a {policy.name} policy "
                           "exports to)")
+    if format == ONNX:
+        from roboscale.deploy.export import export_onnx
+
+        options = onnx or OnnxExportOptions()
+        report = export_onnx(source, output, attention_backend=options.attention_backend, rtc=options.rtc,
+                             unrolled=options.unrolled, preferred_graph=options.preferred_graph,
+                             tolerance=options.tolerance, policy=policy, source=source)
+        log.info("exported in %.0f s; actions against PyTorch (relative error): %s", report.seconds,
+                 ", ".join(f"{k} {v:.1e}" for k, v in report.errors.items()))
+        return output
     with atomic_directory(output) as tmp:
         if format == OURS:
             policy.save_pretrained(tmp)

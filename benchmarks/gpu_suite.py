@@ -8,6 +8,8 @@ Training step (fwd + bwd), real tokens/s, speed-ups against LeRobot's eager dens
     padded + eager (LeRobot) | padded + dense SDPA | padded + key-mask SDPA |
     packed + varlen (flash) | packed + flex (compiled) | packed + sdpa (per segment)
 Inference (one chunk, 10 Euler steps): prefix KV cache vs recomputing the prefix every step (packed, auto).
+ONNX Runtime's execution providers (CPU, CUDA, TensorRT; benchmarks/export.py) against eager PyTorch on the GPU:
+chunk latency of the demo-size pi0.5 at batch 1 and 8 (--skip-onnx leaves it out).
 bf16 vs FP8 (torchao float8, benchmarks/fp8.py): a pi0.5 layer stack and the GR00T-N1.5 stack, one training step
 each (fwd + bwd + AdamW): ms, tokens/s, peak memory, FP8/bf16 speed-up of the step and of its large GEMMs alone.
 
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-fp8", action="store_true", help="leave out the bf16 vs FP8 section")
     parser.add_argument("--only-fp8", action="store_true", help="run the bf16 vs FP8 section alone")
+    parser.add_argument("--skip-onnx", action="store_true", help="leave out the ONNX Runtime providers section")
     add_fp8_arguments(parser)
     args = parser.parse_args()
     if args.dry_run:
@@ -103,6 +106,13 @@ def main() -> None:
             torch.cuda.empty_cache()  # the full pi0.5 is gone; the FP8 stacks build their own
     if not args.skip_fp8:
         run_fp8_section(args)
+    if not args.skip_onnx and not args.only_fp8:
+        try:
+            from export import provider_section  # benchmarks/export.py (needs onnx and onnxruntime)
+        except ImportError as exc:
+            print(f"\n## ONNX Runtime execution providers: skipped ({exc})")
+        else:
+            provider_section("cpu" if device.type == "cpu" else "cuda", calls=3 if args.dry_run else 20)
 
 
 def packing_sections(args: argparse.Namespace, device: torch.device, autocast, clock: str) -> None:

@@ -22,7 +22,8 @@ import io
 import logging
 import platform
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -49,6 +50,7 @@ from roboscale.utils.io import atomic_directory, atomic_write_json
 log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-4
+EXTERNAL_DATA_BYTES = 1 << 30
 _DTYPE_NAMES = {1: "float32", 7: "int64", 9: "bool", 2: "uint8"}  # onnx.TensorProto element types
 
 
@@ -58,7 +60,7 @@ class ExportReport:
     seconds: float
     bytes: dict[str, int]
     errors: dict[str, float]
-    """Relative action error against PyTorch, per check (``batch1``, ``batch3``, ``guided``)."""
+    """Relative action error against PyTorch, per check (``check_parity``)."""
 
 
 def onnx_modules(policy: Policy) -> OnnxModules:
@@ -146,7 +148,11 @@ def guided_denoiser(denoise: nn.Module, data_at: int, example: tuple[torch.Tenso
     from torch._decomp import core_aten_decompositions
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.MATH):
+    # no duck sizing: two sizes that happen to be equal in the example (a prompt's prefix and the chunk) must not
+    # become one symbol, or the graph only runs where they are equal
+    from torch.fx.experimental import _config as fx_config
+
+    with sdpa_kernel(SDPBackend.MATH), fx_config.patch(use_duck_shape=False):
         graph = make_fx(step, tracing_mode="symbolic", decomposition_table=core_aten_decompositions())(
             weights, *example)
     return _Traced(graph, weights)
@@ -163,12 +169,15 @@ def _export(module: nn.Module, args: tuple[torch.Tensor, ...], names: Sequence[s
     quiet = logging.getLogger("torch.onnx")  # its registry's notes (torchvision's operators absent), its progress
     level, quiet.level = quiet.level, logging.ERROR
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours to act on
             program = torch.onnx.export(module.eval(), args, input_names=list(names), output_names=list(outputs),
-                                        dynamic_shapes=shapes, dynamo=True, external_data=False, verbose=False)
+                                        dynamic_shapes=shapes, dynamo=True, verbose=False)
     finally:
         quiet.level = level
-    program.save(str(path))
+    # protobuf's 2 GB limit: the full presets' weights go to a file beside the graph (path.name + ".data")
+    weights = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    program.save(str(path), external_data=weights > EXTERNAL_DATA_BYTES)
     log.info("exported %s in %.1f s", path.name, time.perf_counter() - start)
 
 
@@ -192,7 +201,7 @@ def _opset(path: Path) -> int:
 
 
 def export_onnx(checkpoint: str | Path, output: str | Path, *, attention_backend: str = "", rtc: bool = True,
-                unrolled: bool = False, preferred_graph: str = "split", tolerance: float = TOLERANCE,
+                unrolled: bool = True, preferred_graph: str = "chunk", tolerance: float = TOLERANCE,
                 policy: Policy | None = None, source: Path | None = None) -> ExportReport:
     """Write ``output`` (which must not exist) from ``checkpoint``; ``policy``: the checkpoint's policy already
     loaded, or one built here (a randomly initialised architecture: ``checkpoint`` then names nothing); ``source``:
@@ -223,12 +232,12 @@ def export_onnx(checkpoint: str | Path, output: str | Path, *, attention_backend
     if preferred_graph not in ("split", "chunk"):
         raise ConfigError(f"--onnx.preferred_graph must be split or chunk, got {preferred_graph!r}")
     if preferred_graph == "chunk" and not unrolled:
-        raise ConfigError("--onnx.preferred_graph=chunk needs --onnx.unrolled=true (the unrolled graph)")
+        preferred_graph = "split"  # nothing else to run
+    if policy.tokenizer is None:
+        raise ConfigError(f"--format=onnx: the {policy.name} policy has no tokenizer to export")
     cfg, flow = policy.config, policy.flow_matching
     with atomic_directory(output) as tmp:
         graphs = _export_graphs(policy, modules, flow.data_at, tmp, rtc, unrolled)
-        if policy.tokenizer is None:
-            raise ConfigError(f"--format=onnx: the {policy.name} policy has no tokenizer to export")
         policy.tokenizer.save(tmp / TOKENIZER_NAME)
         atomic_write_json(tmp / NORMALIZATION_NAME, {
             "state": _normalization(policy.state_normalizer), "action": _normalization(policy.action_normalizer)})
@@ -324,21 +333,27 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / max(float(np.abs(expected).max()), 1e-6))
 
 
-def check_parity(policy: Policy, directory: Path, guided: bool, batches: Sequence[int] = (1, 8),
-                 runtime_factory: Callable[[Path], Any] | None = None) -> dict[str, float]:
-    """The runtime's actions against PyTorch's on the same observations and noise: relative error per check."""
+def check_parity(policy: Policy, directory: Path, guided: bool, batches: Sequence[int] = (1, 8)
+                 ) -> dict[str, float]:
+    """The runtime's actions against PyTorch's on the same observations and noise: the relative error of each
+    check, by graph and batch size (``split1``, ``split8``; ``unrolled1``, ``unrolled8`` where there is an unrolled
+    graph; ``guided8``: the guided denoiser, one sample of the batch unguided)."""
+    from roboscale.deploy.format import ExportedConfig
     from roboscale.deploy.runtime import Guide, OnnxPolicy
     from roboscale.models.rtc import ChunkGuide
 
-    runtime = (runtime_factory or OnnxPolicy)(directory)
+    graphs = {"split": OnnxPolicy(directory, graph="split")}
+    if "chunk" in ExportedConfig.read(directory).graphs:
+        graphs["unrolled"] = OnnxPolicy(directory, graph="chunk")
     cfg = policy.config
     errors = {}
     for b in batches:
         observation = example_observation(policy, b, seed=b)
         noise = torch.randn(b, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(b))
         expected = policy.predict_action_chunk(observation, noise=noise).numpy()
-        actual = runtime.predict(*_runtime_inputs(observation, policy), noise.numpy())
-        errors[f"batch{b}"] = relative_error(actual, expected)
+        for label, runtime in graphs.items():
+            actual = runtime.predict(*_runtime_inputs(observation, policy), noise.numpy())
+            errors[f"{label}{b}"] = relative_error(actual, expected)
         if guided and b > 1:
             width = policy.action_normalizer.data_dim or cfg.action_dim
             committed = torch.from_numpy(expected[:, ::-1].copy()) + 0.1  # something to pull towards
@@ -347,7 +362,42 @@ def check_parity(policy: Policy, directory: Path, guided: bool, batches: Sequenc
             delay = torch.minimum(count, torch.tensor(2))
             guide = ChunkGuide(committed[..., :width], count, delay)
             expected = policy.predict_action_chunk(observation, noise=noise, guide=guide).numpy()
-            actual = runtime.predict(*_runtime_inputs(observation, policy), noise.numpy(),
-                                     Guide(committed[..., :width].numpy(), count.numpy(), delay.numpy()))
-            errors["guided"] = relative_error(actual, expected)
+            actual = graphs["split"].predict(*_runtime_inputs(observation, policy), noise.numpy(),
+                                             Guide(committed[..., :width].numpy(), count.numpy(), delay.numpy()))
+            errors[f"guided{b}"] = relative_error(actual, expected)
     return errors
+
+
+# --- int8 -------------------------------------------------------------------------------------------------------
+def quantize_directory(source: str | Path, output: str | Path, graphs: Sequence[str] = ("encoder", "denoise",
+                                                                                        "chunk")) -> Path:
+    """A copy of an exported directory whose ``graphs`` have their weight MatMuls quantized to int8 (onnxruntime's
+    dynamic quantization: int8 weights, activations quantized per call; attention's MatMuls of two activations
+    stay float). The guided denoiser is left float (its backward pass is where quantization error would be
+    differentiated)."""
+    import json
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    source, output = Path(source), Path(output)
+    if output.exists():
+        raise ConfigError(f"{output}: already exists")
+    config = ExportedConfig.read(source)
+    with atomic_directory(output) as tmp:
+        for path in source.iterdir():
+            if path.is_file():
+                (tmp / path.name).write_bytes(path.read_bytes())
+        data = json.loads((tmp / CONFIG_NAME).read_text())
+        for name in graphs:
+            if name in config.graphs:
+                file = config.graphs[name].file
+                # reduce_range: 7-bit weights, as onnxruntime advises for x86 without VNNI, where u8 x s8 products
+                # saturate (full-range int8 weights gave 51% action error here, 7-bit ones 2%)
+                quantize_dynamic(str(source / file), str(tmp / file), op_types_to_quantize=["MatMul"],
+                                 weight_type=QuantType.QInt8, reduce_range=True,
+                                 extra_options={"MatMulConstBOnly": True})
+                data["graphs"][name]["bytes"] = (tmp / file).stat().st_size
+        data["source"]["quantized"] = {"graphs": [g for g in graphs if g in config.graphs],
+                                       "weights": "int8 (7-bit range)", "ops": ["MatMul"]}
+        atomic_write_json(tmp / CONFIG_NAME, data)
+    return output

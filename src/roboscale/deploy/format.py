@@ -7,7 +7,7 @@ only: a robot's computer needs no torch to read it).
     DIR/encoder.onnx         observation -> context (``roboscale.models.onnx``)
     DIR/denoise.onnx         one Euler step's velocity
     DIR/denoise_guided.onnx  the same with real-time chunking's guidance (its vector-Jacobian product in the graph)
-    DIR/chunk.onnx           (--unrolled) the whole chunk in one graph: encoder and every step
+    DIR/chunk.onnx           the whole chunk in one graph: the encoder and every step unrolled (--onnx.unrolled)
     DIR/normalization.json   the state's and actions' statistics, as the policy normalizes with them
     DIR/tokenizer.json       the prompt's tokenizer (Hugging Face ``tokenizers``)
 """

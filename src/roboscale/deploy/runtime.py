@@ -234,7 +234,7 @@ class OnnxPolicy:
             raise ValueError(f"graph must be split, chunk or auto, got {graph!r}")
         if graph == "chunk" and "chunk" not in config.graphs:
             raise ExportedDirectoryError(f"{self.directory}: exported without the unrolled graph (chunk.onnx); "
-                                         "export with --unrolled=true or run with graph=split")
+                                         "export with --onnx.unrolled=true or run with graph=split")
         self.graph = graph
         self.normalization = self.read_normalization(self.directory)
         tokenizer_path = self.directory / TOKENIZER_NAME
@@ -330,7 +330,7 @@ class OnnxPolicy:
         """The guided denoiser's extra inputs: normalized targets, weights per step and dimension, beta."""
         if "denoise_guided" not in self.sessions:
             raise ExportedDirectoryError(f"{self.directory}: exported without the guided denoiser "
-                                         "(denoise_guided.onnx): export with --rtc=true for real-time chunking")
+                                         "(denoise_guided.onnx): export with --onnx.rtc=true for real-time chunking")
         cfg = self.config
         width = self.normalization["action"].data_dim or cfg.action_dim
         actions = np.asarray(guide.actions, dtype=np.float32)

@@ -42,3 +42,17 @@ class OnnxModules:
 class UnsupportedOperation(ValueError):
     """A policy's configuration uses an operation ONNX cannot express; the message names the operation and the
     option that avoids it."""
+
+
+EXPORTABLE_BACKENDS = {"auto": "sdpa", "sdpa": "sdpa", "dense": "dense", "eager": "eager"}
+"""The attention backends a padded batch runs in a graph (auto: what it picks on the CPU); varlen and flex are
+kernels (flash-attention's, a compiled flex kernel) with no ONNX operator."""
+
+
+def exportable_backend(backend: str) -> str:
+    """The attention backend the graphs compute for a policy configured with ``backend``."""
+    if backend not in EXPORTABLE_BACKENDS:
+        raise UnsupportedOperation(
+            f"policy.attention_backend={backend}: the {backend} attention kernel has no ONNX operator; export "
+            f"with --onnx.attention_backend=sdpa (the same weights, the padded layout's attention)")
+    return EXPORTABLE_BACKENDS[backend]

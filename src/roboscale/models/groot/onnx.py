@@ -23,13 +23,8 @@ from roboscale.models.groot.head import Attention, CategorySpecificLinear, Categ
 from roboscale.models.groot.modeling import GrootPolicy
 from roboscale.models.groot.vlm import Qwen3Layer
 from roboscale.models.layers import apply_rotary, rotary_tables
-from roboscale.models.onnx import OnnxModules, UnsupportedOperation
+from roboscale.models.onnx import OnnxModules, exportable_backend
 from roboscale.utils.images import signed_unit_images
-
-EXPORTABLE_BACKENDS = {"auto": "sdpa", "sdpa": "sdpa", "dense": "dense", "eager": "eager"}
-"""The attention backends a padded batch runs in a graph (auto: what it picks on the CPU); varlen and flex are
-kernels (flash-attention's, a compiled flex kernel) with no ONNX operator."""
-
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str) -> torch.Tensor:
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], bool mask broadcasting to [B, 1, Lq, Lk]. The heads are repeated
@@ -138,11 +133,6 @@ class GrootDenoiser(nn.Module):
 
 
 def onnx_modules(policy: GrootPolicy) -> OnnxModules:
-    backend = policy.config.attention_backend
-    if backend not in EXPORTABLE_BACKENDS:
-        raise UnsupportedOperation(
-            f"policy.attention_backend={backend}: the {backend} attention kernel has no ONNX operator; export "
-            f"with --onnx.attention_backend=sdpa (the same weights, the padded layout's attention)")
-    backend = EXPORTABLE_BACKENDS[backend]
+    backend = exportable_backend(policy.config.attention_backend)
     return OnnxModules(GrootEncoder(policy, backend), GrootDenoiser(policy, backend),
                        context=("vl", "vl_mask", "state_features"), prompt="task")

@@ -13,14 +13,9 @@ from torch import nn
 
 from roboscale.models.attention import PrefixSuffixLayout
 from roboscale.models.layers import rotary_tables
-from roboscale.models.onnx import OnnxModules, UnsupportedOperation
+from roboscale.models.onnx import OnnxModules, exportable_backend
 from roboscale.models.pi05.modeling import Pi05Layout, Pi05Policy
 from roboscale.utils.images import signed_unit_images
-
-EXPORTABLE_BACKENDS = {"auto": "sdpa", "sdpa": "sdpa", "dense": "dense", "eager": "eager"}
-"""The attention backends a padded batch runs in a graph (auto: what it picks on the CPU); varlen and flex are
-kernels (flash-attention's, a compiled flex kernel) with no ONNX operator."""
-
 
 class _MaskedPrefix(PrefixSuffixLayout):
     """The key-padding layout with the mask always applied: ``all_real`` is a data-dependent branch a graph cannot
@@ -82,12 +77,7 @@ class Pi05Denoiser(nn.Module):
 
 
 def onnx_modules(policy: Pi05Policy) -> OnnxModules:
-    backend = policy.config.attention_backend
-    if backend not in EXPORTABLE_BACKENDS:
-        raise UnsupportedOperation(
-            f"policy.attention_backend={backend}: the {backend} attention kernel has no ONNX operator; export "
-            f"with --onnx.attention_backend=sdpa (the same weights, the padded layout's attention)")
-    backend = EXPORTABLE_BACKENDS[backend]
+    backend = exportable_backend(policy.config.attention_backend)
     return OnnxModules(Pi05Encoder(policy, backend), Pi05Denoiser(policy, backend),
                        context=("prefix_kv", "prefix_mask", "prefix_len"),
                        prompt="state_bins" if policy.config.state_input == "prompt" else "task")

@@ -189,15 +189,17 @@ if __name__ == "__main__":
     main()
 
 
-def provider_section(device: str, calls: int = 20) -> None:
+def provider_section(device: str, calls: int = 20, preset: str = "demo") -> None:
     """benchmarks/gpu_suite.py's ONNX section: the demo-size pi0.5 (untrained) in eager PyTorch on ``device`` and in
     ONNX Runtime with each execution provider this onnxruntime has (CPU; CUDA and TensorRT with onnxruntime-gpu),
-    chunk latency at batch 1 and 8. A provider that is missing or fails prints its error and a "-" row."""
+    chunk latency at batch 1 and 8. A provider that is missing or fails prints its error and a "-" row. ``preset``:
+    tiny for the CPU dry run (which exports the split graphs only)."""
     import onnxruntime as ort
 
     work = Path(tempfile.mkdtemp(prefix="export-providers-"))
-    checkpoint = demo_checkpoint(work / "pi05", "demo", env_spec("metaworld"), DEMO_TASKS, "pi05")
-    export_onnx(checkpoint, work / "onnx")
+    checkpoint = demo_checkpoint(work / "pi05", preset, env_spec("metaworld"), DEMO_TASKS, "pi05")
+    quick = preset == "tiny"
+    export_onnx(checkpoint, work / "onnx", rtc=not quick, unrolled=not quick)
     reference = PolicyRunner(str(checkpoint), device)
     rows = {f"eager PyTorch ({device})": lambda: reference}
     available = ort.get_available_providers()

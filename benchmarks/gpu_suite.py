@@ -112,7 +112,8 @@ def main() -> None:
         except ImportError as exc:
             print(f"\n## ONNX Runtime execution providers: skipped ({exc})")
         else:
-            provider_section("cpu" if device.type == "cpu" else "cuda", calls=3 if args.dry_run else 20)
+            provider_section("cpu" if device.type == "cpu" else "cuda", calls=3 if args.dry_run else 20,
+                             preset="tiny" if args.dry_run else "demo")
 
 
 def packing_sections(args: argparse.Namespace, device: torch.device, autocast, clock: str) -> None:

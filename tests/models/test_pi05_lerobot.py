@@ -99,7 +99,7 @@ def test_fine_tuning_from_a_lerobot_checkpoint_takes_steps_on_a_dataset_of_anoth
     # and back to LeRobot's format: the same policy, read back through the LeRobot adapter
     exported = tmp_path / "lerobot"
     assert main(["export", str(out), f"--output={exported}", "--format=lerobot"]) == 0
-    assert main(["export", str(out), f"--output={tmp_path / 'x'}", "--format=onnx"]) == 2
+    assert main(["export", str(out), f"--output={tmp_path / 'x'}", "--format=tensorrt"]) == 2
     again = Policy.from_pretrained(exported).eval()
     obs = {k: v for k, v in batch(b=2).items() if not k.startswith("action")}
     noise = torch.randn(2, cfg.chunk_size, cfg.action_dim)

@@ -153,8 +153,8 @@ def main() -> None:
                                                              graph="chunk"),
                     "ONNX Runtime int8 (split)": OnnxPredictor(str(int8), "cpu", args.threads, graph="split"),
                     "ONNX Runtime int8 (unrolled)": OnnxPredictor(str(int8), "cpu", args.threads, graph="chunk")}
-        print(f"\n| backend | batch 1 p50 / p99 ms | vs eager | batch 8 p50 / p99 ms | vs eager | action error "
-              f"vs PyTorch |\n|---|---:|---:|---:|---:|---:|")
+        print("\n| backend | batch 1 p50 / p99 ms | vs eager | batch 8 p50 / p99 ms | vs eager | action error "
+              "vs PyTorch |\n|---|---:|---:|---:|---:|---:|")
         base = {}
         for label, predictor in backends.items():
             row = [label]

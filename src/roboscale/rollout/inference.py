@@ -13,7 +13,7 @@ weights that made it (0: the checkpoint's; ``load_state`` sets others).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -231,16 +231,11 @@ class PolicyRunner:
         """The ``ode`` sampler's predictions, in order: the items with ``committed`` actions guided together (real-time
         chunking), the others by the plain sampler, each group in one batch (so an unguided item's chunk is the one it
         gets where nobody asks for guidance, and the others pay for no backward passes)."""
-        plain = [i for i, it in enumerate(items) if it.committed is None]
-        guided = [i for i, it in enumerate(items) if it.committed is not None]
-        guide = self._chunk_guide([items[i] for i in guided])  # a bad request fails before anything is computed
-        chunks: dict[int, np.ndarray] = {}
-        for indices, group_guide in ((plain, None), (guided, guide)):
-            if indices:
-                group = [items[i] for i in indices]
-                out = self.policy.predict_action_chunk(self.batch(group), noise=self._noise(group), guide=group_guide)
-                chunks.update(zip(indices, out.float().cpu().numpy(), strict=True))
-        return [Prediction(chunks[i], None, self.version) for i in range(len(items))]
+        def predict(group: list[PredictItem], guide: ChunkGuide | None) -> np.ndarray:
+            out = self.policy.predict_action_chunk(self.batch(group), noise=self._noise(group), guide=guide)
+            return out.float().cpu().numpy()
+
+        return [Prediction(chunk, None, self.version) for chunk in by_guidance(items, self._chunk_guide, predict)]
 
     def _chunk_guide(self, items: list[PredictItem]) -> ChunkGuide | None:
         """The committed actions of ``items`` as the policy takes them (``committed_actions`` checks them); None for
@@ -254,6 +249,22 @@ class PolicyRunner:
         actions, counts, delays = committed_actions(items, self.noise_shape[0], self.action_width)
         return ChunkGuide(torch.from_numpy(actions), torch.from_numpy(counts), torch.from_numpy(delays),
                           self.rtc_schedule, self.rtc_max_guidance)
+
+
+def by_guidance(items: list[PredictItem], guide_of: Callable[[list[PredictItem]], Any],
+                predict: Callable[[list[PredictItem], Any], np.ndarray]) -> list[np.ndarray]:
+    """Each item's chunk, in order: the items with ``committed`` actions predicted together with ``guide_of`` them
+    (real-time chunking), the others together unguided (``predict(group, None)``), so an unguided item's chunk is
+    the one it gets where nobody asks for guidance. ``guide_of`` runs first: a bad request fails before anything is
+    computed."""
+    plain = [i for i, it in enumerate(items) if it.committed is None]
+    guided = [i for i, it in enumerate(items) if it.committed is not None]
+    guide = guide_of([items[i] for i in guided]) if guided else None
+    chunks: dict[int, np.ndarray] = {}
+    for indices, group_guide in ((plain, None), (guided, guide)):
+        if indices:
+            chunks.update(zip(indices, predict([items[i] for i in indices], group_guide), strict=True))
+    return [chunks[i] for i in range(len(items))]
 
 
 def committed_actions(items: list[PredictItem], horizon: int, action_width: int

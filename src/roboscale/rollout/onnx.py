@@ -19,7 +19,7 @@ from roboscale.config import from_dict
 from roboscale.configs.rollout import ODESampler, Sampler
 from roboscale.errors import CheckpointError, ConfigError, WorkerError
 from roboscale.models.config import PolicyConfig
-from roboscale.rollout.inference import Prediction, PredictItem, committed_actions
+from roboscale.rollout.inference import Prediction, PredictItem, by_guidance, committed_actions
 from roboscale.rollout.noise import chunk_noise
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -99,22 +99,13 @@ class OnnxPredictor:
         """Nothing beyond memory: the sessions are freed with the predictor."""
 
     def predict(self, items: list[PredictItem]) -> list[Prediction]:
+        return [Prediction(chunk, None, self.version) for chunk in by_guidance(items, self._guide, self._predict)]
+
+    def _guide(self, items: list[PredictItem]):
         from roboscale.deploy.runtime import Guide
 
-        plain = [i for i, it in enumerate(items) if it.committed is None]
-        guided = [i for i, it in enumerate(items) if it.committed is not None]
-        guide = None
-        if guided:  # a bad request fails before anything is computed
-            actions, counts, delays = committed_actions([items[i] for i in guided], self.noise_shape[0],
-                                                        self.action_width)
-            guide = Guide(actions, counts, delays, self.rtc_schedule, self.rtc_max_guidance)
-        chunks: dict[int, np.ndarray] = {}
-        for indices, group_guide in ((plain, None), (guided, guide)):
-            if indices:
-                group = [items[i] for i in indices]
-                out = self._predict(group, group_guide)
-                chunks.update(zip(indices, out, strict=True))
-        return [Prediction(chunks[i], None, self.version) for i in range(len(items))]
+        actions, counts, delays = committed_actions(items, self.noise_shape[0], self.action_width)
+        return Guide(actions, counts, delays, self.rtc_schedule, self.rtc_max_guidance)
 
     def _predict(self, items: list[PredictItem], guide) -> np.ndarray:
         cfg = self.model.config

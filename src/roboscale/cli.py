@@ -46,7 +46,12 @@ def _tasks(argv: list[str]) -> None:
     tasks, suites = spec.catalog()
     for task, text in sorted(tasks.items()):
         print(f"{task:30s} {text}")
-    print("\nsuites: " + ", ".join(f"{k} ({len(v)} tasks)" for k, v in suites.items()))
+    if spec.suite_groups is None:
+        print("\nsuites: " + ", ".join(f"{k} ({len(v)} tasks)" for k, v in suites.items()))
+        return
+    print("\nsuites:")
+    for title, names in spec.suite_groups().items():
+        print(f"  {title}\n    " + ", ".join(f"{name} ({len(suites[name])} tasks)" for name in names))
 
 
 def _info(argv: list[str]) -> None:

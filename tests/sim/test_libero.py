@@ -4,8 +4,6 @@ process, success detected on a scripted episode, and `roboscale eval --env=liber
 from __future__ import annotations
 
 import multiprocessing as mp
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -14,12 +12,14 @@ pytest.importorskip("libero.libero", reason="LIBERO is installed by make install
 from roboscale.configs.eval import EvalConfig  # noqa: E402
 from roboscale.configs.rollout import RolloutConfig  # noqa: E402
 from roboscale.errors import ConfigError  # noqa: E402
-from roboscale.sim import libero  # noqa: E402
+from roboscale.sim import libero, libero_suites  # noqa: E402
 from roboscale.sim.env import env_spec, episode_seed  # noqa: E402
 from roboscale.sim.experts import run_expert_episode  # noqa: E402
 from roboscale.sim.libero_experts import EXPERTS  # noqa: E402
 
 SOUP = "pick_up_the_alphabet_soup_and_place_it_in_the_basket"
+SOUP_WITH_MUG = "libero_object_with_mug/FLOOR_SCENE10_pick_the_alphabet_soup_and_place_it_in_the_basket"
+SOUP_SWAPPED = f"libero_object_swap/{SOUP}"
 SPEC = env_spec("libero")
 
 
@@ -36,9 +36,9 @@ def test_suites_and_task_names_resolve_with_their_episode_limits():
     assert SPEC.tasks_or_default([]) == SPEC.resolve_tasks(["libero_object"])
     with pytest.raises(ConfigError, match="unknown LIBERO task 'pick_up_the_soup'"):
         SPEC.resolve_tasks(["pick_up_the_soup"])
-    assert {s: libero.task_info(SPEC.resolve_tasks([s])[0]).suite for s in libero.SUITES} == {
-        s: s for s in libero.SUITES}
-    assert libero.EPISODE_LIMITS["libero_10"] == 520
+    assert {s: libero_suites.task_info(SPEC.resolve_tasks([s])[0]).suite for s in libero_suites.SUITES} == {
+        s: s for s in libero_suites.SUITES}
+    assert libero_suites.EPISODE_LIMITS["libero_10"] == 520
 
 
 def test_options_are_typed_and_checked():
@@ -88,12 +88,13 @@ def test_observations_follow_lerobots_conventions(env):
     assert all(image.shape == (32, 32, 3) and image.dtype == np.uint8 for image in observation["images"].values())
 
 
-def test_images_are_robosuites_frames_rotated_180_degrees():
+@pytest.mark.parametrize("task", [SOUP, SOUP_WITH_MUG])
+def test_images_are_robosuites_frames_rotated_180_degrees(task):
     """LeRobot flips both axes of robosuite's own camera observation; ours must be that picture (up to the render
-    settings we switch off: shadows, multisampling), and no other orientation of it."""
+    settings we switch off: shadows, multisampling), and no other orientation of it; in LIBERO-Pro's scenes too."""
     from libero.libero.envs import OffScreenRenderEnv
 
-    with libero.LiberoEnv(SOUP, image_size=64, cameras=dict(libero.CAMERAS)) as ours:
+    with libero.LiberoEnv(task, image_size=64, cameras=dict(libero.CAMERAS)) as ours:
         observation = ours.reset(seed=0, scene=3)
         theirs = OffScreenRenderEnv(bddl_file_name=str(ours.info.bddl_file), camera_heights=64, camera_widths=64)
         try:
@@ -113,27 +114,32 @@ def test_images_are_robosuites_frames_rotated_180_degrees():
         assert errors["as is"] < others / 2, (name, errors)
 
 
-def _trajectory(seed: int, scene: int, before: tuple[int, int] | None = None) -> np.ndarray:
-    """States of an episode under fixed actions; ``before``: run another episode in the same env first."""
-    with libero.LiberoEnv(SOUP, image_size=16, cameras={}) as env:
+def _trajectory(seed: int, scene: int, before: tuple[int, int] | None = None, task: str = SOUP) -> np.ndarray:
+    """The simulator's whole state (robot and objects) along an episode under fixed actions; ``before``: run
+    another episode in the same env first."""
+    with libero.LiberoEnv(task, image_size=16, cameras={}) as env:
         if before is not None:
             env.reset(*before)
             for _ in range(5):
                 env.step(np.ones(7), render=False)
         env.reset(seed, scene)
         rng = np.random.default_rng(0)
-        states = [env.step(rng.uniform(-1, 1, 7), render=False).observation["state"] for _ in range(15)]
+        states = []
+        for _ in range(15):
+            env.step(rng.uniform(-1, 1, 7), render=False)
+            states.append(env._env.get_sim_state())
     return np.stack(states)
 
 
-def test_an_episode_is_the_same_in_a_fresh_env_a_reused_one_and_another_process():
-    fresh = _trajectory(3, 4)
-    reused = _trajectory(3, 4, before=(9, 11))
+@pytest.mark.parametrize("task", [SOUP, SOUP_SWAPPED])
+def test_an_episode_is_the_same_in_a_fresh_env_a_reused_one_and_another_process(task):
+    fresh = _trajectory(3, 4, task=task)
+    reused = _trajectory(3, 4, before=(9, 11), task=task)
     with mp.get_context("spawn").Pool(1) as pool:
-        elsewhere = pool.apply(_trajectory, (3, 4))
+        elsewhere = pool.apply(_trajectory, (3, 4, None, task))
     np.testing.assert_array_equal(fresh, reused)
     np.testing.assert_array_equal(fresh, elsewhere)
-    assert not np.array_equal(fresh, _trajectory(3, 5))  # another init state is another episode
+    assert not np.array_equal(fresh, _trajectory(3, 5, task=task))  # another init state is another episode
 
 
 def test_the_scripted_expert_succeeds_and_success_is_detected(env):
@@ -145,22 +151,10 @@ def test_the_scripted_expert_succeeds_and_success_is_detected(env):
 
 
 def test_eval_runs_libero_end_to_end(tmp_path):
-    import torch
-
     from roboscale.eval.closed_loop import evaluate
-    from roboscale.models.registry import build_policy
-    from tests.models.helpers import tiny_config
+    from tests.sim.libero_helpers import tiny_libero_run
 
-    cameras = ["observation.images.image", "observation.images.image2"]
-    ones = {"q01": -1, "q99": 1, "mean": 0, "std": 1, "min": -1, "max": 1}
-    stats = {key: {k: np.full(dim, v, dtype=np.float32) for k, v in ones.items()}
-             for key, dim in (("observation.state", 8), ("action", 7))}
-    features = {"observation.state": {"shape": [8]}, "action": {"shape": [7]},
-                **{k: {"dtype": "video", "shape": [32, 32, 3]} for k in cameras}}
-    meta = SimpleNamespace(root="<memory>", features=features, camera_keys=cameras, fps=20,
-                           task_list=[SPEC.instruction(SOUP)], stats=stats)
-    torch.manual_seed(0)
-    build_policy(tiny_config(), meta).save_pretrained(tmp_path / "run" / "pretrained_model")
+    tiny_libero_run(tmp_path / "run", [SPEC.instruction(SOUP)])
     cfg = EvalConfig(checkpoint=str(tmp_path / "run"), env="libero", env_options={"settle_steps": 2},
                      tasks=[SOUP], episodes=2, max_steps=6, videos_per_task=1, output_dir=str(tmp_path / "eval"),
                      rollout=RolloutConfig(workers=1, envs_per_worker=2))

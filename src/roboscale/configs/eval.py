@@ -85,6 +85,13 @@ class EvalConfig(EvalProtocol):
     """--policy.backend: torch or onnx."""
     video_camera: str = ""
     """Camera shown in the videos (empty: the simulator's; MetaWorld corner2, LIBERO image)."""
+    robustness: bool = False
+    """Also evaluate every perturbation of --tasks the simulator has (LIBERO: LIBERO-Pro's suites, `roboscale data
+    tasks --env=libero`), with the same episodes per task; the report adds success per perturbation and its drop
+    from the standard tasks."""
+    perturbations: list[str] = field(default_factory=list)
+    """With --robustness: the perturbations to evaluate (LIBERO: lan, object, swap, task, with_mug, ...); empty:
+    all that the simulator has for --tasks."""
     instructions: dict[str, str] = field(default_factory=dict)
     """Task -> instruction to give the policy instead of the task's own (paraphrases, or a swapped instruction
     as a language-following control), e.g. {faucet-open: "Rotate the faucet clockwise"}."""

@@ -50,6 +50,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
 
     spec = env_spec(cfg.env)
     tasks = spec.tasks_or_default(cfg.tasks)
+    variants = _robustness_variants(cfg, spec, tasks)
+    tasks += [v["task"] for v in variants]
     instructions = {spec.resolve_tasks([t])[0]: text for t, text in cfg.instructions.items()}
     if cfg.rollout.server:  # the policy is served elsewhere: what it is comes from the server
         policy_cfg, policy_name, checkpoint, checkpoint_sha256 = _served_policy(cfg)
@@ -87,12 +89,16 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
     }
     if cfg.policy.backend != "torch":  # what ran the policy is part of what was measured (torch: as always)
         protocol["backend"] = cfg.policy.backend
+    if variants:
+        protocol["perturbations"] = list(dict.fromkeys(v["perturbation"] for v in variants))
     meta: dict[str, Any] = {
         "label": label, "checkpoint": str(checkpoint), "policy_type": policy_name,
         "checkpoint_sha256": checkpoint_sha256, "protocol": protocol,
     }
     if cfg.rollout.server:
         meta["server"] = cfg.rollout.server
+    if variants:
+        meta["variants"] = variants
     # one evaluation per directory: a second one would run every episode again into the same episodes.jsonl
     with exclusive_lock(out_dir / LOCK_FILE, lambda holder: ConfigError(
             f"{out_dir}: another evaluation ({holder}) is writing there; wait for it to end, or use another "
@@ -123,6 +129,21 @@ def evaluate(cfg: EvalConfig, progress: bool = True, label: str = "") -> dict:
         summary["eval_seconds"] = stats.wall_s
         summary["timing"] = meta["timing"]
         return summary
+
+
+def _robustness_variants(cfg: EvalConfig, spec: Any, tasks: list[str]) -> list[dict[str, Any]]:
+    """With --robustness, the perturbed tasks of ``tasks`` (as dicts: they go to report.json)."""
+    if not cfg.robustness:
+        if cfg.perturbations:
+            raise ConfigError("--perturbations picks the perturbations of --robustness=true, which is off")
+        return []
+    if spec.variants is None:
+        raise ConfigError(f"--robustness: the {spec.name} environment has no perturbed tasks (libero has: "
+                          "LIBERO-Pro's suites)")
+    variants = [v._asdict() for v in spec.variants(tasks, list(cfg.perturbations))]
+    if not variants:
+        raise ConfigError(f"--robustness: no perturbation of --tasks={','.join(cfg.tasks)} is installed")
+    return variants
 
 
 def _served_policy(cfg: EvalConfig) -> tuple[Any, str, str, str]:

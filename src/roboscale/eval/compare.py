@@ -15,7 +15,9 @@ from typing import Any
 
 from roboscale.errors import ConfigError
 from roboscale.eval.plots import BarSeries, bar_chart
-from roboscale.eval.report import html_table, load_report, page, protocol_of, rate_with_interval
+from roboscale.eval.report import load_report, page, protocol_of, rate_with_interval
+from roboscale.eval.robustness import compare_robustness
+from roboscale.eval.tables import html_table
 from roboscale.eval.run_report import EVALS, best_evaluation, best_step, is_training_run, read_evals
 from roboscale.utils.io import atomic_write_bytes
 from roboscale.utils.stats import two_proportion_test
@@ -207,6 +209,14 @@ def comparison_markdown(c: Comparison) -> str:
                f"of a pooled two-proportion z-test; * significant at p < {ALPHA} (per task, no multiple-test "
                "correction). — : the run has no result for the task. The mean row is the mean of per-task rates with "
                "the interval of all episodes pooled; its difference is over the tasks both runs have."]
+    headers, rows = compare_robustness([run.name for run in c.runs], [run.report for run in c.runs])
+    if rows:
+        md += ["", "## Robustness", "", "| " + " | ".join(map(markdown_text, headers)) + " |",
+               "|---|---|" + "---:|" * (len(headers) - 2)]
+        md += ["| " + " | ".join(f"{markdown_text(text)} *" if sig else markdown_text(text) for text, sig in row) + " |"
+               for row in rows]
+        md += ["", "Each run's success on each suite and its change from the standard tasks it perturbs (− : a drop); "
+                   "Δ: the difference in success from the first run, pooled two-proportion z-test."]
     return "\n".join(md)
 
 
@@ -238,6 +248,12 @@ def comparison_html(c: Comparison) -> str:
     body.append(f"<p>Success with its Wilson 95% interval; Δ in percentage points vs {escape(c.runs[0].name)}, with "
                 f"the p-value of a pooled two-proportion z-test; <span class='sig'>*</span> significant at "
                 f"p &lt; {ALPHA} (per task, no multiple-test correction). —: no result for the task.</p>")
+    headers, rows = compare_robustness([run.name for run in c.runs], [run.report for run in c.runs])
+    if rows:
+        cells = [[f"<span class='sig'>{escape(text)} *</span>" if sig else escape(text) for text, sig in row]
+                 for row in rows]
+        body += ["<h2>Robustness</h2>", html_table([escape(h) for h in headers], cells,
+                                                   numeric=set(range(2, len(headers))))]
     return page("Evaluation comparison", "\n".join(body))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,8 @@ from roboscale.errors import DatasetError
 from roboscale.eval.episode_log import EPISODE_FIELDS
 from roboscale.eval.plots import BarSeries, bar_chart
 from roboscale.eval.records import problem, read_json_object
+from roboscale.eval.tables import html_table
+from roboscale.eval.robustness import robustness_html, robustness_markdown, summarize_robustness
 from roboscale.utils.io import atomic_write_bytes, atomic_write_json
 from roboscale.utils.stats import wilson_interval
 from roboscale.utils.text import markdown_code, markdown_text
@@ -84,7 +86,7 @@ _SHARE_OF_WALL = ("sim_s", "render_s", "inference_s")  # summed over workers: ma
 
 # What report.json must hold for `eval compare` and `roboscale report` to read it: (required, optional) fields.
 REPORT_FIELDS = ({"per_task": (dict,), "overall": (dict,)},
-                 {"episodes": (list,), "protocol": (dict,), "label": (str, None)})
+                 {"episodes": (list,), "protocol": (dict,), "label": (str, None), "robustness": (dict,)})
 SUMMARY_FIELDS = ({"episodes": (int,), "success_rate": (float,), "mean_steps": (float,)},
                   {"successes": (int,), "ci_low": (float, None), "ci_high": (float, None), "median_steps": (float,),
                    "mean_steps_success": (float, None), "errors": (int,)})
@@ -267,6 +269,8 @@ def write_report(out_dir: Path, results: list, tasks: list[str], meta: dict[str,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(results, tasks)
+    if meta.get("variants"):  # --robustness: each perturbation against the standard tasks it perturbs
+        summary["robustness"] = summarize_robustness(summary["per_task"], meta["variants"])
     episodes = [r.to_dict() if hasattr(r, "to_dict") else dataclasses.asdict(r) if dataclasses.is_dataclass(r)
                 else dict(r) for r in results]
     atomic_write_json(out_dir / "report.json", {**meta, **summary, "episodes": episodes}, indent=2)
@@ -290,7 +294,10 @@ def markdown_report(summary: dict, tasks: list[str], episodes: list[dict], meta:
             md.append(f"- {label}: {markdown_code(meta[key])}")
     md += ["", f"**{overall['success_rate']:.0%} mean success** over {len(tasks)} tasks, {overall['successes']}/"
                f"{overall['episodes']} episodes (Wilson 95% interval of all episodes pooled: "
-               f"{overall['ci_low']:.0%}–{overall['ci_high']:.0%}).", "", "## Results", ""]
+               f"{overall['ci_low']:.0%}–{overall['ci_high']:.0%}).", ""]
+    if summary.get("robustness"):
+        md += [*robustness_markdown(summary["robustness"]), ""]
+    md += ["## Results", ""]
     md.append("| task | success (95% interval) | successes | mean steps | median steps | mean steps (successes) "
               "| errors |")
     md.append("|---|---:|---:|---:|---:|---:|---:|")
@@ -373,16 +380,6 @@ def page(title: str, body: str) -> str:
             f"<style>{CSS}</style></head>\n<body>\n{body}\n{READY_SCRIPT}\n</body></html>\n")
 
 
-def html_table(header: list[str], rows: list[list[str]], numeric: Collection[int] = ()) -> str:
-    """Cells are HTML already (callers escape text); ``numeric`` columns are right-aligned."""
-    def cls(i: int) -> str:
-        return " class='num'" if i in numeric else ""
-
-    head = "".join(f"<th{cls(i)}>{h}</th>" for i, h in enumerate(header))
-    body = "".join("<tr>" + "".join(f"<td{cls(i)}>{c}</td>" for i, c in enumerate(row)) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
 def protocol_html(protocol: dict[str, Any]) -> str:
     rows, mappings = [], []
     for key, value in _ordered(protocol):
@@ -456,6 +453,8 @@ def html_report(summary: dict, tasks: list[str], episodes: list[dict], meta: dic
         if meta.get(key):
             head.append(f"<li>{label}: <code>{escape(str(meta[key]))}</code></li>")
     head.append("</ul>")
+    if summary.get("robustness"):
+        head.append(robustness_html(summary["robustness"]))
     body = [*head, "<h2>Results</h2>",
             success_bars(summary, tasks, "Success per task (whiskers: Wilson 95% interval)"),
             per_task_html(summary, tasks), "<h2>Protocol</h2>", protocol_html(protocol_of(meta))]

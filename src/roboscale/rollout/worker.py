@@ -277,7 +277,8 @@ class _EnvWorker:
         if job.record_video:
             from roboscale.rollout.video import write_video
 
-            name = f"{job.task}_ep{job.episode:03d}_{'success' if success else 'fail'}.mp4"
+            task = job.task.replace("/", "--")  # LIBERO-Pro's tasks are <suite>/<name>: one file, not a folder
+            name = f"{task}_ep{job.episode:03d}_{'success' if success else 'fail'}.mp4"
             write_video(Path(self.s.video_dir) / name, np.stack(slot.frames))
             video = name
         result = EpisodeResult(job.task, job.episode, job.seed, success, slot.steps, float(np.sum(slot.rewards)),

@@ -93,6 +93,14 @@ class EnvSpec:
     """The camera evaluation videos show by default."""
     catalog: Callable[[], tuple[dict[str, str], dict[str, tuple[str, ...]]]] | None = None
     """Every task with its instruction, and the suites (``roboscale data tasks``)."""
+    suite_groups: Callable[[], dict[str, tuple[str, ...]]] | None = None
+    """The suites under headings (LIBERO: standard, then one heading per LIBERO-Pro perturbation), for
+    ``roboscale data tasks``; None: one list."""
+    variants: Callable[[list[str], list[str]], list[Any]] | None = None
+    """``variants(standard_tasks, perturbations)``: the perturbed tasks of ``standard_tasks``, for ``eval
+    --robustness``, as NamedTuples with the fields of ``roboscale.sim.libero_suites.Variant`` (task, perturbation,
+    suite, standard, base_suite, description); ``perturbations`` picks some (empty: all). None: the adapter has
+    no perturbed tasks."""
     experts: str = ""
     """``module:attribute`` of the adapter's ``ExpertSpec`` (``roboscale.sim.experts``: scripted demonstrations),
     imported only when demonstrations are generated; empty: the adapter has no experts."""

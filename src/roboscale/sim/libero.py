@@ -33,7 +33,6 @@ import contextlib
 import io
 import os
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,12 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from roboscale.errors import ConfigError  # noqa: E402
-from roboscale.sim.env import EnvRequest, EnvSpec, Step, expand_tasks  # noqa: E402
+from roboscale.sim.env import EnvRequest, EnvSpec, Step  # noqa: E402
+from roboscale.sim.libero_suites import (  # noqa: E402
+    catalog, instruction, resolve_tasks, suite_groups, task_info, variants,
+)
 from roboscale.sim.rendering import CameraRenderer  # noqa: E402
 
-SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
-EPISODE_LIMITS = {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520,
-                  "libero_90": 400}  # LeRobot's, from the longest human demonstration of each suite
 CAMERAS = {"image": "agentview", "image2": "robot0_eye_in_hand"}  # LeRobot's names -> robosuite's cameras
 CAMERA_ALIASES = {**CAMERAS, "wrist": "robot0_eye_in_hand"}
 STATE_DIM = 8
@@ -70,72 +69,6 @@ class LiberoOptions:
     def __post_init__(self) -> None:
         if self.settle_steps < 0:
             raise ConfigError(f"--env_options.settle_steps must be >= 0, got {self.settle_steps}")
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    name: str
-    suite: str
-    language: str
-    bddl_file: Path
-    init_states_file: Path
-
-
-def _quiet_import() -> Any:
-    """LIBERO's benchmark module prints a line per suite it builds: keep it out of our logs."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        from libero.libero import benchmark
-
-        return benchmark
-
-
-@cache
-def catalog_by_suite() -> dict[str, list[TaskInfo]]:
-    """The five suites' tasks, in LIBERO's order (task i of a suite is LeRobot's ``task_id`` i)."""
-    try:
-        benchmark = _quiet_import()
-        from libero.libero import get_libero_path
-    except ImportError as exc:
-        raise ConfigError(f"--env=libero needs LIBERO: pip install 'roboscale[libero]' ({exc})") from None
-    bddl_root, init_root = Path(get_libero_path("bddl_files")), Path(get_libero_path("init_states"))
-    suites: dict[str, list[TaskInfo]] = {}
-    with contextlib.redirect_stdout(io.StringIO()):
-        for suite_name in SUITES:
-            suite = benchmark.get_benchmark_dict()[suite_name]()
-            suites[suite_name] = [
-                TaskInfo(task.name, suite_name, task.language, bddl_root / task.problem_folder / task.bddl_file,
-                         init_root / task.problem_folder / f"{task.init_states_file}.npz")
-                for task in (suite.get_task(i) for i in range(suite.n_tasks))
-            ]
-    return suites
-
-
-@cache
-def task_info(name: str) -> TaskInfo:
-    for tasks in catalog_by_suite().values():
-        for task in tasks:
-            if task.name == name:
-                return task
-    raise ConfigError(f"unknown LIBERO task {name!r}; use a suite ({', '.join(SUITES)}) or a task name "
-                      "(all of them: `roboscale data tasks --env=libero`)")
-
-
-def resolve_tasks(names: list[str] | tuple[str, ...] | str) -> list[str]:
-    """Suite names expand to their tasks, in LIBERO's order; task names are LIBERO's (``pick_up_the_...``)."""
-    def suite(name: str) -> list[str] | None:
-        return [task.name for task in catalog_by_suite()[name]] if name in SUITES else None
-
-    return expand_tasks(names, suite, lambda name: task_info(name).name)
-
-
-def instruction(task: str) -> str:
-    return task_info(task).language
-
-
-def catalog() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    suites = catalog_by_suite()
-    return ({t.name: t.language for tasks in suites.values() for t in tasks},
-            {name: tuple(t.name for t in tasks) for name, tasks in suites.items()})
 
 
 def load_init_states(path: Path) -> np.ndarray:
@@ -171,7 +104,7 @@ class LiberoEnv:
         if state_feature != "observation.state":
             raise ConfigError(f"state feature {state_feature!r} is not one LIBERO gives; use observation.state")
         self.info = task_info(task)
-        self.task, self.instruction = self.info.name, self.info.language
+        self.task, self.instruction = self.info.id, self.info.language
         self.options = options or LiberoOptions()
         self.cameras = dict(CAMERAS if cameras is None else cameras)
         unknown = sorted(set(self.cameras.values()) - {"agentview", "robot0_eye_in_hand", "frontview", "birdview"})
@@ -179,7 +112,7 @@ class LiberoEnv:
             raise ConfigError(f"LIBERO has no camera {unknown[0]!r}; cameras: agentview (image), "
                               "robot0_eye_in_hand (image2, wrist), frontview, birdview")
         self.camera_names = list(self.cameras)
-        self.max_steps = max_steps or EPISODE_LIMITS[self.info.suite]
+        self.max_steps = max_steps or self.info.max_steps
         self.timings = {"sim_s": 0.0, "render_s": 0.0}
         self.init_states = load_init_states(self.info.init_states_file)
         start = time.perf_counter()
@@ -273,4 +206,4 @@ def make_env(task: str, request: EnvRequest) -> LiberoEnv:
 ENV_SPEC = EnvSpec("libero", make_env, resolve_tasks, instruction, state_features=("observation.state",),
                    camera_aliases=CAMERA_ALIASES, options=LiberoOptions, default_tasks=("libero_object",),
                    default_cameras=dict(CAMERAS), video_camera="image", catalog=catalog,
-                   experts="roboscale.sim.libero_experts:EXPERTS")
+                   suite_groups=suite_groups, variants=variants, experts="roboscale.sim.libero_experts:EXPERTS")

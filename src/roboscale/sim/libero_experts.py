@@ -1,4 +1,5 @@
-"""Scripted pick-and-place experts for LIBERO's ``libero_object`` and ``libero_spatial`` tasks, with privileged state.
+"""Scripted pick-and-place experts for LIBERO's ``libero_object`` and ``libero_spatial`` tasks, with privileged state
+(``libero_goal`` and ``libero_10``: ``libero_skills``, sequences of skills per goal predicate).
 
 Both suites' goals are one ``(In obj region)`` or ``(On obj target)`` predicate: pick ``obj`` up, put it in or on
 ``target``. The expert reads the object poses from the simulator (never shown to policies) and drives the
@@ -139,7 +140,15 @@ class PickPlace:
         return np.clip(ROTATION_GAIN * error, -1.0, 1.0)
 
 
+SKILL_SUITES = ("libero_goal", "libero_10")
+"""Suites whose experts are sequences of skills (libero_skills); the others keep PickPlace (its documented numbers)."""
+
+
 def expert(env: LiberoEnv) -> Expert:
+    if env.info.base_suite in SKILL_SUITES:
+        from roboscale.sim.libero_skills import Sequence  # it imports this module's gains
+
+        return Sequence(env)
     return PickPlace(env)
 
 
@@ -149,4 +158,4 @@ def frame(observation: dict[str, Any]) -> dict[str, np.ndarray]:
 
 EXPERTS = ExpertSpec(fps=FPS, robot_type="panda", observation_features=observation_features,
                      action_names=("dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"), expert=expert,
-                     frame=frame, max_steps=280)
+                     frame=frame, max_steps=0)  # 0: the suite's own limit (libero_10's two steps need 520)

@@ -1,0 +1,423 @@
+"""Scripted skills for LIBERO's ``libero_goal`` and ``libero_10`` tasks, with privileged state.
+
+A task's goal is one BDDL predicate or a conjunction of two or three; each predicate is handled by one skill, a small
+phase machine, and a task's expert runs them in sequence (``Sequence``): drawers and knobs first, so that nothing
+carried is in the way, pick-and-place next, closing last (a drawer is closed over the bowl put in it). A skill is done
+when its predicate holds (LIBERO's own check, ``_eval_predicate``) and the hand is clear; a pick that drops its object
+starts over. All skills drive the end-effector with OSC_POSE position deltas saturating at 1 and hold an orientation
+(the episode's starting one, or a turned hand for a handle), as ``libero_experts.PickPlace`` does.
+
+- ``PickPlace``: ``In``/``On`` an object or a region. Bowls and mugs, wider than the open gripper, are taken by the
+  rim on the side (+y or -y) farther from other objects; what is held is placed by its own position (the hand's
+  offset from it is measured once lifted), released when it is low enough or stops going down.
+- ``OpenDrawer``: the hand turned to point at the drawer (fingers vertical) grasps the handle bar from the front and
+  pulls along the drawer's slide. From above the fingers cannot reach: the cabinet's top and the drawer above are
+  in the way of the finger behind the bar.
+- ``PushClosed``: a drawer or a door pushed back along its closing motion, with the closed hand.
+- ``TurnOn``: the stove's knob turned by pushing the end of its grip sideways with the closed hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from roboscale.errors import ConfigError
+from roboscale.sim.libero import ACTION_DIM, LiberoEnv
+from roboscale.sim.libero_experts import (
+    ALIGNED, BOWL_RIM, CLOSE_STEPS, GAIN, OPEN_STEPS, ROTATION_GAIN, STALL_STEPS,
+)
+
+LIFT = 0.10  # what is held is carried this far above the target ...
+RELEASE = 0.03  # ... and let go this far above it (or where it stops going down)
+HELD = 0.02  # an object risen this much with the hand is held
+ATTEMPTS = 3  # picks before a skill gives up
+RIMMED = ("bowl", "mug")  # wider than the open gripper: taken by the rim
+TO_HANDLE = 0.10  # the turned hand's approach, in front of a drawer's handle
+PULL = 0.18
+TURN = 0.9  # radians the hand turns a knob: LIBERO's stoves are on from 0.5  # a drawer's travel is 0.16 m: pulled slightly beyond it
+
+
+class Scene:
+    """The privileged view skills share: positions of bodies and sites, joints, LIBERO's predicates."""
+
+    def __init__(self, env: LiberoEnv):
+        self.env, self.model, self.data = env, env._model, env._data
+        self.domain = env._env.env
+        self.bodies = {self.model.body(i).name for i in range(self.model.nbody)}
+        self.sites = {self.model.site(i).name for i in range(self.model.nsite)}
+
+    def position(self, name: str) -> np.ndarray:
+        """A goal's object (its body) or region (its site), in world coordinates."""
+        for body in (f"{name}_main", name):
+            if body in self.bodies:
+                return np.array(self.data.xpos[self.model.body(body).id])
+        if name in self.sites:
+            return np.array(self.data.site_xpos[self.model.site(name).id])
+        raise ConfigError(f"LIBERO task {self.env.task}: no body or site for the goal's {name!r}")
+
+    def holds(self, predicate: list[str]) -> bool:
+        return bool(self.domain._eval_predicate(predicate))
+
+    def joint_of(self, name: str) -> int:
+        """The joint that moves a region's drawer (``white_cabinet_1_bottom_region``) or an object's door."""
+        if name in self.sites:
+            site = self.domain.object_sites_dict[name]
+            joints = list(site.joints)
+        else:
+            joints = list(self.domain.get_object(name).joints)
+        if len(joints) != 1:
+            raise ConfigError(f"LIBERO task {self.env.task}: {name!r} moves with {len(joints)} joints, not one")
+        return self.model.joint(joints[0]).id
+
+    def qpos(self, joint: int) -> float:
+        return float(self.data.qpos[self.model.jnt_qposadr[joint]])
+
+    def joint_axis(self, joint: int) -> np.ndarray:
+        body = self.model.jnt_bodyid[joint]
+        return self.data.xmat[body].reshape(3, 3) @ self.model.jnt_axis[joint]
+
+    def geoms_of(self, body: int) -> list[int]:
+        """A body's colliding geoms."""
+        return [g for g in range(self.model.ngeom) if self.model.geom_bodyid[g] == body
+                and self.model.geom_contype[g] + self.model.geom_conaffinity[g] > 0]
+
+    def objects_near(self, exclude: str) -> list[np.ndarray]:
+        """The other movable objects' positions: a rim is taken on the side away from them."""
+        return [np.array(self.data.xpos[self.domain.obj_body_id[name]]) for name in self.domain.objects_dict
+                if name != exclude]
+
+
+class Hand:
+    """A goal position, a grip and an orientation -> the OSC_POSE action (the episode's first orientation held)."""
+
+    def __init__(self):
+        self.start: np.ndarray | None = None
+
+    def action(self, raw: dict[str, Any], goal: np.ndarray, grip: float, rotation: np.ndarray | None = None,
+               speed: float = 1.0) -> np.ndarray:
+        from robosuite.utils.transform_utils import mat2quat, quat2axisangle, quat2mat
+
+        current = quat2mat(raw["robot0_eef_quat"])
+        if self.start is None:
+            self.start = current
+        target = self.start if rotation is None else rotation
+        action = np.zeros(ACTION_DIM, dtype=np.float32)
+        action[:3] = np.clip(GAIN * (goal - raw["robot0_eef_pos"]), -speed, speed)
+        # world frame, as OSC_POSE takes it; noise in the executed actions is corrected, not accumulated
+        action[3:6] = np.clip(ROTATION_GAIN * quat2axisangle(mat2quat(target @ current.T)), -1.0, 1.0)
+        action[6] = grip
+        return action
+
+
+class Skill:
+    """One predicate's phases: ``__call__`` is the next action, ``done`` once the predicate holds and the hand is
+    clear."""
+
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+        self.scene, self.hand, self.predicate = scene, hand, predicate
+        self.phase, self.count = "", 0
+        self.done = False
+
+    def enter(self, phase: str) -> None:
+        self.phase, self.count = phase, 0
+
+    def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        raise NotImplementedError
+
+
+class PickPlace(Skill):
+    """``(In obj region)`` or ``(On obj target)``: pick ``obj`` up, carry it above the target, lower, let go."""
+
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+        super().__init__(scene, hand, predicate)
+        _, self.obj, self.target_name = predicate
+        self.rimmed = any(word in self.obj for word in RIMMED)
+        self.offset = np.zeros(3)
+        self.attempts = 0
+        self.start_pick()
+
+    def start_pick(self) -> None:
+        self.attempts += 1
+        self.enter("above_object")
+        self.last_z, self.pushed_down = np.inf, False
+        self.held = np.zeros(3)  # the hand's offset from the object's position, once lifted
+        self.rest_z = self.scene.position(self.obj)[2]
+        if self.rimmed:
+            self.offset = np.array([0.0, self._free_side() * BOWL_RIM, 0.0])
+
+    def _free_side(self) -> float:
+        """The rim side (-1: -y, +1: +y; the fingers close along y, across the wall there) farther from the rest."""
+        centre = self.scene.position(self.obj)
+        others = [p for p in self.scene.objects_near(self.obj) if np.linalg.norm((p - centre)[:2]) > 0.02]
+        room = {}
+        for side in (-1.0, 1.0):
+            rim = centre + [0.0, side * BOWL_RIM, 0.0]
+            room[side] = min((np.linalg.norm((p - rim)[:2]) for p in others), default=np.inf)
+        return -1.0 if room[-1.0] >= room[1.0] - 0.02 else 1.0  # -y unless +y is clearly freer
+
+    def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        eef = raw["robot0_eef_pos"]
+        obj_centre = self.scene.position(self.obj)
+        obj = obj_centre + self.offset
+        target = self.scene.position(self.target_name)
+        grip, speed = -1.0, 1.0
+        if self.phase == "above_object":
+            goal = obj + [0, 0, 0.12]
+            if eef[2] < obj[2] + 0.06:  # low next to something: up first, then across
+                goal = np.array([eef[0], eef[1], obj[2] + 0.12])
+            if np.linalg.norm((goal - eef)[:2]) < ALIGNED and abs(goal[2] - eef[2]) < 0.02:
+                self.enter("down")
+        if self.phase == "down":
+            goal = grasp = obj + [0, 0, 0.01]
+            descending = np.linalg.norm((goal - eef)[:2]) <= 2 * ALIGNED
+            if not descending:
+                goal = np.array([grasp[0], grasp[1], eef[2]])
+            low = eef[2] < obj[2] + 0.09
+            stalled = descending and self.pushed_down and low and self.last_z - eef[2] < 0.001
+            self.count = self.count + 1 if stalled else 0
+            self.last_z, self.pushed_down = eef[2], descending
+            if np.linalg.norm(grasp - eef) < 0.01 or self.count >= STALL_STEPS:
+                self.enter("close")
+        if self.phase == "close":
+            goal, grip = obj + [0, 0, 0.01], 1.0
+            self.count += 1
+            if self.count >= CLOSE_STEPS:
+                self.enter("lift")
+        if self.phase == "lift":
+            height = max(target[2], self.rest_z) + LIFT + max(eef[2] - obj_centre[2], 0.0)
+            goal, grip = np.array([eef[0], eef[1], height]), 1.0
+            if eef[2] > goal[2] - 0.02:
+                if obj_centre[2] < self.rest_z + HELD:  # slipped out: take it again
+                    return self._retry(raw)
+                self.held = eef - obj_centre
+                self.enter("above_target")
+        if self.phase == "above_target":
+            height = target[2] + LIFT + self.held[2]
+            goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], height]), 1.0
+            if eef[2] < height - 0.03:  # still rising over the way
+                goal[:2] = eef[:2]
+            if np.linalg.norm((obj_centre - target)[:2]) < 0.01:
+                self.enter("lower")
+        if self.phase == "lower":
+            goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], target[2] + self.held[2]]), 1.0
+            speed = 0.5
+            stalled = self.last_z - eef[2] < 0.001
+            self.count = self.count + 1 if stalled else 0
+            self.last_z = eef[2]
+            if obj_centre[2] < target[2] + RELEASE or self.count >= STALL_STEPS:
+                self.enter("release")
+        if self.phase == "release":
+            goal, grip = eef.copy(), -1.0
+            self.count += 1
+            if self.count >= OPEN_STEPS:
+                self.enter("retreat")
+        if self.phase == "retreat":
+            goal = np.array([eef[0], eef[1], target[2] + self.held[2] + LIFT])
+            if eef[2] > goal[2] - 0.03:
+                if self.scene.holds(self.predicate) or self.attempts >= ATTEMPTS:
+                    self.done = True
+                else:
+                    return self._retry(raw)
+        return self.hand.action(raw, goal, grip, speed=speed)
+
+    def _retry(self, raw: dict[str, Any]) -> np.ndarray:
+        if self.attempts >= ATTEMPTS:
+            self.done = True
+        self.start_pick()
+        return self(raw)
+
+
+def rotation_z(angle: float) -> np.ndarray:
+    cos, sin = np.cos(angle), np.sin(angle)
+    return np.array([[cos, -sin, 0.0], [sin, cos, 0.0], [0.0, 0.0, 1.0]])
+
+
+def turned_hand(direction: np.ndarray) -> np.ndarray:
+    """The hand's orientation pointing along ``direction`` (horizontal), fingers vertical: it holds a bar across."""
+    z = direction / np.linalg.norm(direction)
+    y = np.array([0.0, 0.0, 1.0])
+    x = np.cross(y, z)
+    return np.stack([x, y, z], axis=1)
+
+
+class OpenDrawer(Skill):
+    """``(Open region)``: grasp the drawer's handle from the front with the hand turned, pull it out."""
+
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+        super().__init__(scene, hand, predicate)
+        self.joint = scene.joint_of(predicate[1])
+        # LIBERO's cabinets open at negative positions: the drawer slides along -axis
+        self.out = -scene.joint_axis(self.joint)
+        body = scene.model.jnt_bodyid[self.joint]
+        self.handle_geom = max(scene.geoms_of(body), key=lambda g: float(scene.data.geom_xpos[g] @ self.out))
+        self.rotation = turned_hand(-self.out)
+        self.enter("approach")
+
+    def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        eef = raw["robot0_eef_pos"]
+        handle = np.array(self.scene.data.geom_xpos[self.handle_geom])
+        grip, speed = -1.0, 1.0
+        if self.phase == "approach":
+            goal = handle + TO_HANDLE * self.out
+            if np.linalg.norm(goal - eef) < 0.01 and self.count > 0:
+                self.enter("reach")
+            self.count += 1
+        if self.phase == "reach":
+            goal, speed = handle - 0.005 * self.out, 0.5
+            if np.linalg.norm(goal - eef) < 0.008:
+                self.enter("close")
+        if self.phase == "close":
+            goal, grip = handle - 0.005 * self.out, 1.0
+            self.count += 1
+            if self.count >= CLOSE_STEPS:
+                self.start = handle.copy()
+                self.enter("pull")
+        if self.phase == "pull":
+            goal, grip, speed = self.start + PULL * self.out, 1.0, 0.6
+            if self.scene.holds(self.predicate) and np.linalg.norm(goal - eef) < 0.02 or self.count > 60:
+                self.enter("release")
+            self.count += 1
+        if self.phase == "release":
+            goal = eef.copy()
+            self.count += 1
+            if self.count >= OPEN_STEPS // 2:
+                self.enter("back")
+        if self.phase == "back":
+            goal = handle + TO_HANDLE * self.out + [0, 0, 0.05]
+            if np.linalg.norm(goal - eef) < 0.03:
+                self.done = True
+        return self.hand.action(raw, goal, grip, self.rotation, speed)
+
+
+class PushClosed(Skill):
+    """``(Close region)``: push the open drawer (or door) back in with the closed hand."""
+
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+        super().__init__(scene, hand, predicate)
+        self.joint = scene.joint_of(predicate[1])
+        self.out = -scene.joint_axis(self.joint)
+        body = scene.model.jnt_bodyid[self.joint]
+        self.front_geom = max(scene.geoms_of(body), key=lambda g: float(scene.data.geom_xpos[g] @ self.out))
+        self.enter("above")
+
+    def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        eef = raw["robot0_eef_pos"]
+        front = np.array(self.scene.data.geom_xpos[self.front_geom])
+        grip, speed = 1.0, 1.0
+        behind = front + 0.06 * self.out
+        if self.phase == "above":
+            goal = behind + [0, 0, 0.10]
+            if np.linalg.norm(goal - eef) < 0.015:
+                self.enter("down")
+        if self.phase == "down":
+            goal = behind
+            if np.linalg.norm(goal - eef) < 0.015:
+                self.enter("push")
+        if self.phase == "push":
+            goal, speed = front - 0.20 * self.out, 0.6
+            self.count += 1
+            if self.scene.holds(self.predicate) or self.count > 60:
+                self.enter("back")
+        if self.phase == "back":
+            goal = eef + 0.05 * self.out + [0, 0, 0.08]
+            self.count += 1
+            if self.count >= 6:
+                self.done = True
+        return self.hand.action(raw, goal, grip, speed=speed)
+
+
+class TurnOn(Skill):
+    """``(Turnon stove)``: grasp the knob's grip over its axis and turn the hand about the vertical."""
+
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+        super().__init__(scene, hand, predicate)
+        self.joint = scene.joint_of(predicate[1])
+        self.body = scene.model.jnt_bodyid[self.joint]
+        self.enter("above")
+
+    def _grip(self) -> tuple[np.ndarray, np.ndarray]:
+        """The bar standing on the knob's disc: the union box of the geoms above it (centre, half extents)."""
+        model, data = self.scene.model, self.scene.data
+        base = self.scene.data.xanchor[self.joint][2]
+        low, high = np.full(3, np.inf), np.full(3, -np.inf)
+        for g in self.scene.geoms_of(self.body):
+            if data.geom_xpos[g][2] > base + 0.015:
+                half = np.abs(data.geom_xmat[g].reshape(3, 3)) @ model.geom_size[g]
+                low, high = np.minimum(low, data.geom_xpos[g] - half), np.maximum(high, data.geom_xpos[g] + half)
+        return (low + high) / 2, (high - low) / 2
+
+    def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        from robosuite.utils.transform_utils import quat2mat
+
+        eef = raw["robot0_eef_pos"]
+        grip, rotation = -1.0, None
+        if self.phase == "above":
+            centre, half = self._grip()
+            if half[0] < half[1]:  # the fingers close along y: across a bar that runs along x
+                raise ConfigError(f"LIBERO task {self.scene.env.task}: the knob's grip runs along y")
+            anchor = self.scene.data.xanchor[self.joint]
+            self.at = np.array([anchor[0], centre[1], centre[2] + half[2] - 0.015])
+            goal = self.at + [0, 0, 0.08]
+            if np.linalg.norm(goal - eef) < 0.01:
+                self.enter("down")
+        if self.phase == "down":
+            goal = self.at
+            if np.linalg.norm(goal - eef) < 0.008:
+                self.enter("close")
+        if self.phase == "close":
+            goal, grip = self.at, 1.0
+            self.count += 1
+            if self.count >= CLOSE_STEPS:
+                self.turned = rotation_z(TURN * np.sign(self.scene.joint_axis(self.joint)[2])) @ quat2mat(
+                    raw["robot0_eef_quat"])
+                self.enter("turn")
+        if self.phase == "turn":
+            goal, grip, rotation = self.at, 1.0, self.turned
+            self.count += 1
+            if self.scene.holds(self.predicate) and self.count > 5 or self.count > 40:
+                self.enter("release")
+        if self.phase == "release":
+            goal, rotation = self.at, self.turned
+            self.count += 1
+            if self.count >= OPEN_STEPS // 2:
+                self.enter("up")
+        if self.phase == "up":
+            goal = self.at + [0, 0, 0.12]
+            if eef[2] > goal[2] - 0.03:
+                self.done = True
+        return self.hand.action(raw, goal, grip, rotation)
+
+
+SKILLS = {"in": PickPlace, "on": PickPlace, "open": OpenDrawer, "close": PushClosed, "turnon": TurnOn}
+ORDER = {"open": 0, "turnon": 0, "in": 1, "on": 1, "close": 2}
+
+
+class Sequence:
+    """A task's expert: its goal's predicates, one skill each, in turn; then the hand stays still, open."""
+
+    def __init__(self, env: LiberoEnv):
+        goal = env._env.env.parsed_problem["goal_state"]
+        unknown = [p for p in goal if p[0].lower() not in SKILLS]
+        if unknown:
+            raise ConfigError(f"LIBERO task {env.task}: no scripted skill for {unknown} (skills: {sorted(SKILLS)})")
+        self.scene, self.hand = Scene(env), Hand()
+        self.predicates = sorted((p for p in goal), key=lambda p: ORDER[p[0].lower()])  # stable: BDDL order kept
+        self.index = 0
+        self.skill = self._make(0)
+
+    def _make(self, index: int) -> Skill | None:
+        if index >= len(self.predicates):
+            return None
+        predicate = [self.predicates[index][0].lower(), *self.predicates[index][1:]]
+        return SKILLS[predicate[0]](self.scene, self.hand, predicate)
+
+    def __call__(self, observation: dict[str, Any]) -> np.ndarray:
+        raw = observation["privileged"]
+        while self.skill is not None and self.skill.done:
+            self.index += 1
+            self.skill = self._make(self.index)
+        if self.skill is None:
+            return self.hand.action(raw, raw["robot0_eef_pos"], -1.0)
+        return self.skill(raw)

@@ -253,12 +253,16 @@ class OpenDrawer(Skill):
         body = scene.model.jnt_bodyid[self.joint]
         self.handle_geom = max(scene.geoms_of(body), key=lambda g: float(scene.data.geom_xpos[g] @ self.out))
         self.rotation = turned_hand(-self.out)
-        self.enter("approach")
+        self.enter("over")
 
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         eef = raw["robot0_eef_pos"]
         handle = np.array(self.scene.data.geom_xpos[self.handle_geom])
         grip, speed = -1.0, 1.0
+        if self.phase == "over":  # high while the hand turns: turning low, it sweeps what stands on the table
+            goal = handle + TO_HANDLE * self.out + [0, 0, 0.12]
+            if np.linalg.norm(goal - eef) < 0.02:
+                self.enter("approach")
         if self.phase == "approach":
             goal = handle + TO_HANDLE * self.out
             if np.linalg.norm(goal - eef) < 0.01 and self.count > 0:
@@ -266,7 +270,9 @@ class OpenDrawer(Skill):
             self.count += 1
         if self.phase == "reach":
             goal, speed = handle - 0.005 * self.out, 0.5
-            if np.linalg.norm(goal - eef) < 0.008:
+            self.count += 1
+            # the fingertips may touch the drawer's front before the hand is centred: close where it stops
+            if np.linalg.norm(goal - eef) < 0.01 or self.count > 25:
                 self.enter("close")
         if self.phase == "close":
             goal, grip = handle - 0.005 * self.out, 1.0

@@ -33,9 +33,11 @@ LIFT = 0.10  # what is held is carried this far above the target ...
 RELEASE = 0.03  # ... and let go this far above it (or where it stops going down)
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
+GRASP_BELOW_TOP = 0.04
 RIMMED = ("bowl", "mug")  # wider than the open gripper: taken by the rim
 TO_HANDLE = 0.10  # the turned hand's approach, in front of a drawer's handle
 PULL = 0.18
+PUSH_GAP = 0.03  # the hand's start behind a pushed object's edge
 TURN = 0.9  # radians the hand turns a knob: LIBERO's stoves are on from 0.5  # a drawer's travel is 0.16 m: pulled slightly beyond it
 
 
@@ -82,6 +84,28 @@ class Scene:
         """A body's colliding geoms."""
         return [g for g in range(self.model.ngeom) if self.model.geom_bodyid[g] == body
                 and self.model.geom_contype[g] + self.model.geom_conaffinity[g] > 0]
+
+    def extent(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An object's world bounding box (its colliding geoms', over all its bodies)."""
+        low, high = np.full(3, np.inf), np.full(3, -np.inf)
+        for g in range(self.model.ngeom):
+            if (self.model.geom_contype[g] + self.model.geom_conaffinity[g] > 0
+                    and self.model.body(self.model.geom_bodyid[g]).name.startswith(name)):
+                if self.model.geom_type[g] == 7:  # a mesh: its own box
+                    centre = self.data.geom_xmat[g].reshape(3, 3) @ self.model.geom_aabb[g][:3] + self.data.geom_xpos[g]
+                    size = self.model.geom_aabb[g][3:]
+                else:
+                    centre, size = self.data.geom_xpos[g], self.model.geom_size[g]
+                half = np.abs(self.data.geom_xmat[g].reshape(3, 3)) @ size if self.model.geom_type[g] in (6, 7) \
+                    else np.full(3, self.model.geom_rbound[g])
+                low, high = np.minimum(low, centre - half), np.maximum(high, centre + half)
+        if not np.isfinite(low).all():
+            raise ConfigError(f"LIBERO task {self.env.task}: no colliding geoms for {name!r}")
+        return low, high
+
+    def is_drawer(self, region: str) -> bool:
+        site = self.domain.object_sites_dict.get(region)
+        return site is not None and bool(getattr(site, "joints", None))
 
     def objects_near(self, exclude: str) -> list[np.ndarray]:
         """The other movable objects' positions: a rim is taken on the side away from them."""
@@ -144,6 +168,10 @@ class PickPlace(Skill):
         self.last_z, self.pushed_down = np.inf, False
         self.held = np.zeros(3)  # the hand's offset from the object's position, once lifted
         self.rest_z = self.scene.position(self.obj)[2]
+        # tall things (a bottle, a mug) are taken near the top, low ones just above their base
+        top = self.scene.extent(self.obj)[1][2]
+        self.grasp_z = max(0.01, top - self.rest_z - GRASP_BELOW_TOP)
+        self.above = max(0.12, top - self.rest_z + 0.06)
         if self.rimmed:
             self.offset = np.array([0.0, self._free_side() * BOWL_RIM, 0.0])
 
@@ -164,24 +192,27 @@ class PickPlace(Skill):
         target = self.scene.position(self.target_name)
         grip, speed = -1.0, 1.0
         if self.phase == "above_object":
-            goal = obj + [0, 0, 0.12]
-            if eef[2] < obj[2] + 0.06:  # low next to something: up first, then across
-                goal = np.array([eef[0], eef[1], obj[2] + 0.12])
-            if np.linalg.norm((goal - eef)[:2]) < ALIGNED and abs(goal[2] - eef[2]) < 0.02:
+            goal = obj + [0, 0, self.above]
+            if eef[2] < obj[2] + self.above - 0.06:  # low next to something: up first, then across
+                goal = np.array([eef[0], eef[1], obj[2] + self.above])
+            self.count += 1
+            # the hand can stay a few millimetres off (OSC's steady error): go down anyway after a while
+            aligned = ALIGNED if self.count < 25 else 2 * ALIGNED if self.count < 50 else 4 * ALIGNED
+            if np.linalg.norm((goal - eef)[:2]) < aligned and abs(goal[2] - eef[2]) < 0.02:
                 self.enter("down")
         if self.phase == "down":
-            goal = grasp = obj + [0, 0, 0.01]
-            descending = np.linalg.norm((goal - eef)[:2]) <= 2 * ALIGNED
+            goal = grasp = obj + [0, 0, self.grasp_z]
+            descending = np.linalg.norm((goal - eef)[:2]) <= 3 * ALIGNED
             if not descending:
                 goal = np.array([grasp[0], grasp[1], eef[2]])
-            low = eef[2] < obj[2] + 0.09
+            low = eef[2] < obj[2] + self.above - 0.03
             stalled = descending and self.pushed_down and low and self.last_z - eef[2] < 0.001
             self.count = self.count + 1 if stalled else 0
             self.last_z, self.pushed_down = eef[2], descending
             if np.linalg.norm(grasp - eef) < 0.01 or self.count >= STALL_STEPS:
                 self.enter("close")
         if self.phase == "close":
-            goal, grip = obj + [0, 0, 0.01], 1.0
+            goal, grip = obj + [0, 0, self.grasp_z], 1.0
             self.count += 1
             if self.count >= CLOSE_STEPS:
                 self.enter("lift")
@@ -198,7 +229,8 @@ class PickPlace(Skill):
             goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], height]), 1.0
             if eef[2] < height - 0.03:  # still rising over the way
                 goal[:2] = eef[:2]
-            if np.linalg.norm((obj_centre - target)[:2]) < 0.01:
+            self.count += 1
+            if np.linalg.norm((goal - eef)[:2]) < 0.01 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
                 self.enter("lower")
         if self.phase == "lower":
             goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], target[2] + self.held[2]]), 1.0
@@ -225,6 +257,7 @@ class PickPlace(Skill):
     def _retry(self, raw: dict[str, Any]) -> np.ndarray:
         if self.attempts >= ATTEMPTS:
             self.done = True
+            return self.hand.action(raw, raw["robot0_eef_pos"], -1.0)
         self.start_pick()
         return self(raw)
 
@@ -315,7 +348,8 @@ class PushClosed(Skill):
         behind = front + 0.06 * self.out
         if self.phase == "above":
             goal = behind + [0, 0, 0.10]
-            if np.linalg.norm(goal - eef) < 0.015:
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
                 self.enter("down")
         if self.phase == "down":
             goal = behind
@@ -396,6 +430,52 @@ class TurnOn(Skill):
         return self.hand.action(raw, goal, grip, rotation)
 
 
+TABLE_REGIONS = ("main_table_", "kitchen_table_", "living_room_table_", "study_table_", "floor_")
+
+
+class Push(Skill):
+    """``(On obj region)`` for a flat thing (a plate): the closed hand, low behind it, pushes it to the region."""
+
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+        super().__init__(scene, hand, predicate)
+        _, self.obj, self.region = predicate
+        low, high = scene.extent(self.obj)
+        self.radius, self.height = float(np.max(high[:2] - low[:2]) / 2), float(high[2])
+        self.floor = float(low[2]) + 0.02  # the fingertips reach about 1 cm below the hand's grip point
+        self.enter("above")
+
+    def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        eef = raw["robot0_eef_pos"]
+        obj, region = self.scene.position(self.obj), self.scene.position(self.region)
+        way = (region - obj) * [1, 1, 0]
+        way /= max(np.linalg.norm(way), 1e-6)
+        # inside the rim at the back: behind the plate there may be no room (the cabinet stands there)
+        behind = obj - (self.radius - PUSH_GAP) * way
+        behind[2] = self.floor
+        grip, speed = 1.0, 1.0
+        if self.phase == "above":
+            goal = behind + [0, 0, 0.10]
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
+                self.enter("down")
+        if self.phase == "down":
+            goal = behind
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.01 or self.count > 20:
+                self.enter("push")
+        if self.phase == "push":
+            # the hand aims at where it stands behind the object once that is on the region: pushed along the line
+            goal, speed = region - (self.radius - PUSH_GAP) * way + [0, 0, self.floor - region[2]], 0.5
+            self.count += 1
+            if self.scene.holds(self.predicate) and np.linalg.norm((obj - region)[:2]) < 0.02 or self.count > 80:
+                self.enter("up")
+        if self.phase == "up":
+            goal = np.array([eef[0], eef[1], self.height + 0.10])
+            if eef[2] > goal[2] - 0.02:
+                self.done = True
+        return self.hand.action(raw, goal, grip, speed=speed)
+
+
 SKILLS = {"in": PickPlace, "on": PickPlace, "open": OpenDrawer, "close": PushClosed, "turnon": TurnOn}
 ORDER = {"open": 0, "turnon": 0, "in": 1, "on": 1, "close": 2}
 
@@ -409,14 +489,20 @@ class Sequence:
         if unknown:
             raise ConfigError(f"LIBERO task {env.task}: no scripted skill for {unknown} (skills: {sorted(SKILLS)})")
         self.scene, self.hand = Scene(env), Hand()
-        self.predicates = sorted((p for p in goal), key=lambda p: ORDER[p[0].lower()])  # stable: BDDL order kept
+        goal = [[p[0].lower(), *p[1:]] for p in goal]
+        # "open the top drawer and put the bowl inside" has only the In: the drawer is opened first
+        opened = [["open", p[2]] for p in goal if p[0] == "in" and self.scene.is_drawer(p[2])
+                  and ["close", p[2]] not in goal and not self.scene.holds(["open", p[2]])]
+        self.predicates = sorted(opened + goal, key=lambda p: ORDER[p[0]])  # stable: BDDL order kept
         self.index = 0
         self.skill = self._make(0)
 
     def _make(self, index: int) -> Skill | None:
         if index >= len(self.predicates):
             return None
-        predicate = [self.predicates[index][0].lower(), *self.predicates[index][1:]]
+        predicate = self.predicates[index]
+        if predicate[0] == "on" and "plate" in predicate[1] and predicate[2].startswith(TABLE_REGIONS):
+            return Push(self.scene, self.hand, predicate)  # a plate is pushed across the table, not lifted
         return SKILLS[predicate[0]](self.scene, self.hand, predicate)
 
     def __call__(self, observation: dict[str, Any]) -> np.ndarray:

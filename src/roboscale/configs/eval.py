@@ -24,7 +24,7 @@ class EvalProtocol:
     tasks: list[str] = field(default_factory=list)
     """Tasks or suites (empty: the simulator's default). MetaWorld: demo, mt10, mt50, pairs (tasks told apart by
     the instruction alone), or task names; LIBERO: libero_spatial, libero_object, libero_goal, libero_10,
-    libero_90, or task names."""
+    libero_90, LIBERO-Pro's perturbed suites (libero_object_lan, ...), or task ids (`roboscale data tasks`)."""
     episodes: int = 10
     """Episodes per task."""
     seed: int = 1000

@@ -395,19 +395,22 @@ class TurnOn(Skill):
         grip, rotation = -1.0, None
         if self.phase == "above":
             centre, half = self._grip()
-            if half[0] < half[1]:  # the fingers close along y: across a bar that runs along x
-                raise ConfigError(f"LIBERO task {self.scene.env.task}: the knob's grip runs along y")
-            anchor = self.scene.data.xanchor[self.joint]
-            self.at = np.array([anchor[0], centre[1], centre[2] + half[2] - 0.015])
+            # the fingers close along y, across a bar that runs along x; a bar along y: the hand turned a quarter
+            start = self.hand.start if self.hand.start is not None else quat2mat(raw["robot0_eef_quat"])
+            self.grasp = None if half[0] >= half[1] else rotation_z(np.pi / 2) @ start
+            rotation = self.grasp
+            along = 0 if self.grasp is None else 1
+            self.at = np.array([centre[0], centre[1], centre[2] + half[2] - 0.015])
+            self.at[along] = self.scene.data.xanchor[self.joint][along]  # over the axis: the hand turns in place
             goal = self.at + [0, 0, 0.08]
             if np.linalg.norm(goal - eef) < 0.01:
                 self.enter("down")
         if self.phase == "down":
-            goal = self.at
+            goal, rotation = self.at, self.grasp
             if np.linalg.norm(goal - eef) < 0.008:
                 self.enter("close")
         if self.phase == "close":
-            goal, grip = self.at, 1.0
+            goal, grip, rotation = self.at, 1.0, self.grasp
             self.count += 1
             if self.count >= CLOSE_STEPS:
                 self.turned = rotation_z(TURN * np.sign(self.scene.joint_axis(self.joint)[2])) @ quat2mat(

@@ -18,7 +18,7 @@ starts over. All skills drive the end-effector with OSC_POSE position deltas sat
   wedges the hand after about 0.4 rad; on is 0.5).
 - ``Push``: a plate pushed along the table to a region by the closed hand inside its rim.
 
-Success from the official init states (10 each; /work/notes/experts_goal_10.md): libero_goal 7 of 10 tasks at 100%,
+Success from the official init states (benchmarks/expert_success.py, 10 episodes each): libero_goal 7 of 10 tasks at 100%,
 the bowl in the top drawer, the plate pushed and the bowl on the plate at 0%; libero_10 3 of 10 at 100% (mugs on
 plates, the book in the caddy, mug and pudding), the cream cheese and butter 20%, the rest 0%. Known causes: the
 ``lower`` phase's stall count starts from the grasp's last height, so things are let go at carrying height (the bowl

@@ -183,10 +183,6 @@ class LiberoEnv:
         images = self._renderer.render(self._data)
         self.timings["render_s"] += time.perf_counter() - start
         return images
-        start = time.perf_counter()
-        images = self._renderer.render(self._data)
-        self.timings["render_s"] += time.perf_counter() - start
-        return images
 
     def object_position(self, name: str) -> np.ndarray:
         """A body's world position (the scripted experts' privileged view)."""

@@ -40,6 +40,9 @@ from roboscale.sim.libero_experts import (
 
 LIFT = 0.10  # what is held is carried this far above the target ...
 RELEASE = 0.03  # ... and let go this far above it (or where it stops going down)
+LOWERED = 0.02  # the hand's descent before it can stall on the target
+LOWER_STEPS = 60  # the longest lowering: then it is let go where it is
+FAR = 0.68  # a target this far from the robot's base (horizontally) is near the edge of the arm's reach
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
 GRASP_BELOW_TOP = 0.04
@@ -181,8 +184,18 @@ class PickPlace(Skill):
         top = self.scene.extent(self.obj)[1][2]
         self.grasp_z = max(0.01, top - self.rest_z - GRASP_BELOW_TOP)
         self.above = max(0.12, top - self.rest_z + 0.06)
+        self.quarter = False  # the hand turned a quarter: the fingers close along x
         if self.rimmed:
-            self.offset = np.array([0.0, self._free_side() * BOWL_RIM, 0.0])
+            base = self.scene.position("robot0_base")
+            if np.linalg.norm((self.scene.position(self.target_name) - base)[:2]) > FAR:
+                # held by the side rim the hand would be as far out as the target: near the edge of the arm's reach
+                # the wrist pitches and the elbow locks straight before the hand is over it. The near rim keeps the
+                # hand a rim's width closer.
+                toward = (base - self.scene.position(self.obj)) * [1, 1, 0]
+                self.offset = BOWL_RIM * toward / np.linalg.norm(toward)
+                self.quarter = True
+            else:
+                self.offset = np.array([0.0, self._free_side() * BOWL_RIM, 0.0])
 
     def _free_side(self) -> float:
         """The rim side (-1: -y, +1: +y; the fingers close along y, across the wall there) farther from the rest."""
@@ -241,13 +254,17 @@ class PickPlace(Skill):
             self.count += 1
             if np.linalg.norm((goal - eef)[:2]) < 0.01 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
                 self.enter("lower")
+                # the grasp's last height would read as a stall at once
+                self.last_z, self.lowered_from, self.lowering = np.inf, eef[2], 0
         if self.phase == "lower":
             goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], target[2] + self.held[2]]), 1.0
             speed = 0.5
-            stalled = self.last_z - eef[2] < 0.001
+            # a heavy thing held by the rim tilts the hand on the way over: while OSC turns it back the hand hardly
+            # goes down, which is no stall; one counts only once the hand has come down towards the target
+            stalled = self.last_z - eef[2] < 0.001 and eef[2] < self.lowered_from - LOWERED
             self.count = self.count + 1 if stalled else 0
-            self.last_z = eef[2]
-            if obj_centre[2] < target[2] + RELEASE or self.count >= STALL_STEPS:
+            self.last_z, self.lowering = eef[2], self.lowering + 1
+            if obj_centre[2] < target[2] + RELEASE or self.count >= STALL_STEPS or self.lowering > LOWER_STEPS:
                 self.enter("release")
         if self.phase == "release":
             goal, grip = eef.copy(), -1.0
@@ -261,7 +278,14 @@ class PickPlace(Skill):
                     self.done = True
                 else:
                     return self._retry(raw)
-        return self.hand.action(raw, goal, grip, speed=speed)
+        return self.hand.action(raw, goal, grip, self._rotation(raw), speed=speed)
+
+    def _rotation(self, raw: dict[str, Any]) -> np.ndarray | None:
+        if not self.quarter:
+            return None
+        if self.hand.start is None:
+            self.hand.action(raw, raw["robot0_eef_pos"], -1.0)  # records the episode's first orientation
+        return rotation_z(np.pi / 2) @ self.hand.start
 
     def _retry(self, raw: dict[str, Any]) -> np.ndarray:
         if self.attempts >= ATTEMPTS:

@@ -43,6 +43,9 @@ RELEASE = 0.03  # ... and let go this far above it (or where it stops going down
 LOWERED = 0.02  # the hand's descent before it can stall on the target
 LOWER_STEPS = 60  # the longest lowering: then it is let go where it is
 FAR = 0.68  # a target this far from the robot's base (horizontally) is near the edge of the arm's reach
+HAND_FOOTPRINT = np.array([0.03, 0.06])  # the open hand's half extents over a grasp (x, y: the fingers' way)
+NUDGE = 0.02  # a grasped object is raised this much before it is moved out from under something
+CLEAR = 0.015  # ... and taken this far clear of it
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
 GRASP_BELOW_TOP = 0.04
@@ -61,6 +64,8 @@ class Scene:
         self.domain = env._env.env
         self.bodies = {self.model.body(i).name for i in range(self.model.nbody)}
         self.sites = {self.model.site(i).name for i in range(self.model.nsite)}
+        self.colliding = [g for g in range(self.model.ngeom)
+                          if self.model.geom_contype[g] + self.model.geom_conaffinity[g] > 0]
 
     def position(self, name: str) -> np.ndarray:
         """A goal's object (its body) or region (its site), in world coordinates."""
@@ -97,27 +102,54 @@ class Scene:
         return [g for g in range(self.model.ngeom) if self.model.geom_bodyid[g] == body
                 and self.model.geom_contype[g] + self.model.geom_conaffinity[g] > 0]
 
+    def geom_box(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """A geom's world bounding box."""
+        if self.model.geom_type[g] == 7:  # a mesh: its own box
+            centre = self.data.geom_xmat[g].reshape(3, 3) @ self.model.geom_aabb[g][:3] + self.data.geom_xpos[g]
+            size = self.model.geom_aabb[g][3:]
+        else:
+            centre, size = self.data.geom_xpos[g], self.model.geom_size[g]
+        half = np.abs(self.data.geom_xmat[g].reshape(3, 3)) @ size if self.model.geom_type[g] in (6, 7) \
+            else np.full(3, self.model.geom_rbound[g])
+        return centre - half, centre + half
+
     def extent(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """An object's world bounding box (its colliding geoms', over all its bodies)."""
         low, high = np.full(3, np.inf), np.full(3, -np.inf)
-        for g in range(self.model.ngeom):
-            if (self.model.geom_contype[g] + self.model.geom_conaffinity[g] > 0
-                    and self.model.body(self.model.geom_bodyid[g]).name.startswith(name)):
-                if self.model.geom_type[g] == 7:  # a mesh: its own box
-                    centre = self.data.geom_xmat[g].reshape(3, 3) @ self.model.geom_aabb[g][:3] + self.data.geom_xpos[g]
-                    size = self.model.geom_aabb[g][3:]
-                else:
-                    centre, size = self.data.geom_xpos[g], self.model.geom_size[g]
-                half = np.abs(self.data.geom_xmat[g].reshape(3, 3)) @ size if self.model.geom_type[g] in (6, 7) \
-                    else np.full(3, self.model.geom_rbound[g])
-                low, high = np.minimum(low, centre - half), np.maximum(high, centre + half)
+        for g in self.colliding:
+            if self.model.body(self.model.geom_bodyid[g]).name.startswith(name):
+                box = self.geom_box(g)
+                low, high = np.minimum(low, box[0]), np.maximum(high, box[1])
         if not np.isfinite(low).all():
             raise ConfigError(f"LIBERO task {self.env.task}: no colliding geoms for {name!r}")
         return low, high
 
+    def overhangs(self, name: str, reach: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Boxes of the bodies (not the robot's, not ``name``'s) over ``name`` within ``reach`` above its top: an
+        open drawer above a bowl. Per body: a cabinet's box would cover its drawers' front too."""
+        low, high = self.extent(name)
+        boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for g in self.colliding:
+            body = self.model.geom_bodyid[g]
+            body_name = self.model.body(body).name
+            if body_name.startswith((name, "robot", "gripper", "mount")) or body == 0:
+                continue
+            box = self.geom_box(g)
+            if box[0][2] > low[2] + 0.01 and box[0][2] < high[2] + reach and np.all(box[0][:2] < high[:2]) \
+                    and np.all(box[1][:2] > low[:2]):
+                old = boxes.get(body, (np.full(3, np.inf), np.full(3, -np.inf)))
+                boxes[body] = (np.minimum(old[0], box[0]), np.maximum(old[1], box[1]))
+        return list(boxes.values())
+
     def is_drawer(self, region: str) -> bool:
         site = self.domain.object_sites_dict.get(region)
         return site is not None and bool(getattr(site, "joints", None))
+
+    def others(self, exclude: str) -> list[str]:
+        """The objects and fixtures but ``exclude``, those with colliding geoms."""
+        names = [*self.domain.objects_dict, *getattr(self.domain, "fixtures_dict", {})]
+        return [name for name in names if name != exclude and any(
+            self.model.body(self.model.geom_bodyid[g]).name.startswith(name) for g in self.colliding)]
 
     def objects_near(self, exclude: str) -> list[np.ndarray]:
         """The other movable objects' positions: a rim is taken on the side away from them."""
@@ -145,6 +177,15 @@ class Hand:
         action[3:6] = np.clip(ROTATION_GAIN * quat2axisangle(mat2quat(target @ current.T)), -1.0, 1.0)
         action[6] = grip
         return action
+
+    def angle_to(self, raw: dict[str, Any], rotation: np.ndarray | None) -> float:
+        """Radians between the hand and ``rotation`` (None: the episode's first orientation)."""
+        from robosuite.utils.transform_utils import mat2quat, quat2axisangle, quat2mat
+
+        target = self.start if rotation is None else rotation
+        if target is None:
+            return 0.0
+        return float(np.linalg.norm(quat2axisangle(mat2quat(target @ quat2mat(raw["robot0_eef_quat"]).T))))
 
 
 class Skill:
@@ -205,7 +246,20 @@ class PickPlace(Skill):
         for side in (-1.0, 1.0):
             rim = centre + [0.0, side * BOWL_RIM, 0.0]
             room[side] = min((np.linalg.norm((p - rim)[:2]) for p in others), default=np.inf)
+        blocked = {side: self._blocked(centre + [0.0, side * BOWL_RIM, 0.0]) for side in (-1.0, 1.0)}
+        if blocked[-1.0] != blocked[1.0]:
+            return 1.0 if blocked[-1.0] else -1.0
         return -1.0 if room[-1.0] >= room[1.0] - 0.02 else 1.0  # -y unless +y is clearly freer
+
+    def _blocked(self, rim: np.ndarray) -> bool:
+        """Whether something taller than the object stands under the open hand's footprint over ``rim`` (an open
+        drawer beside a bowl: positions alone miss it, the cabinet's origin is far from the drawer's front)."""
+        top = self.scene.extent(self.obj)[1][2]
+        for name in self.scene.others(self.obj):
+            low, high = self.scene.extent(name)
+            if high[2] > top and np.all(low[:2] < rim[:2] + HAND_FOOTPRINT) and np.all(high[:2] > rim[:2] - HAND_FOOTPRINT):
+                return True
+        return False
 
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         eef = raw["robot0_eef_pos"]
@@ -217,6 +271,8 @@ class PickPlace(Skill):
             goal = obj + [0, 0, self.above]
             if eef[2] < obj[2] + self.above - 0.06:  # low next to something: up first, then across
                 goal = np.array([eef[0], eef[1], obj[2] + self.above])
+            elif np.linalg.norm((goal - eef)[:2]) > 0.05:  # across at the hand's height, then down: a slanting
+                goal[2] = max(goal[2], eef[2])  # way down from an opened drawer sweeps it closed
             self.count += 1
             # the hand can stay a few millimetres off (OSC's steady error): go down anyway after a while
             aligned = ALIGNED if self.count < 25 else 2 * ALIGNED if self.count < 50 else 4 * ALIGNED
@@ -237,22 +293,34 @@ class PickPlace(Skill):
             goal, grip = obj + [0, 0, self.grasp_z], 1.0
             self.count += 1
             if self.count >= CLOSE_STEPS:
+                # fixed at the grasp: measured on the way, a slipping object would raise it without end
+                self.lift_to = max(target[2], self.rest_z) + LIFT + max(eef[2] - obj_centre[2], 0.0)
+                self.lift_from = eef[2]
+                self.aside = eef + self._out_from_under(self.lift_to - eef[2]) + [0, 0, NUDGE]
+                self.enter("aside" if not np.allclose(self.aside[:2], eef[:2]) else "lift")
+        if self.phase == "aside":  # just off the table, out from under what hangs over it (an opened drawer)
+            goal, grip, speed = self.aside, 1.0, 0.5
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.01 or self.count > 30:
                 self.enter("lift")
         if self.phase == "lift":
-            height = max(target[2], self.rest_z) + LIFT + max(eef[2] - obj_centre[2], 0.0)
-            goal, grip = np.array([eef[0], eef[1], height]), 1.0
+            goal, grip = np.array([eef[0], eef[1], self.lift_to]), 1.0
+            slipped = obj_centre[2] < self.rest_z + HELD
+            if slipped and eef[2] > self.lift_from + 2 * HELD + 0.03:  # the hand rose without it: take it again
+                return self._retry(raw)
             if eef[2] > goal[2] - 0.02:
-                if obj_centre[2] < self.rest_z + HELD:  # slipped out: take it again
+                if slipped:
                     return self._retry(raw)
                 self.held = eef - obj_centre
                 self.enter("above_target")
         if self.phase == "above_target":
             height = target[2] + LIFT + self.held[2]
             goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], height]), 1.0
+            off = np.linalg.norm((goal - eef)[:2])
             if eef[2] < height - 0.03:  # still rising over the way
                 goal[:2] = eef[:2]
             self.count += 1
-            if np.linalg.norm((goal - eef)[:2]) < 0.01 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
+            if off < 0.01 or self.count > 40 and off < 0.02:
                 self.enter("lower")
                 # the grasp's last height would read as a stall at once
                 self.last_z, self.lowered_from, self.lowering = np.inf, eef[2], 0
@@ -286,6 +354,19 @@ class PickPlace(Skill):
         if self.hand.start is None:
             self.hand.action(raw, raw["robot0_eef_pos"], -1.0)  # records the episode's first orientation
         return rotation_z(np.pi / 2) @ self.hand.start
+
+    def _out_from_under(self, rise: float) -> np.ndarray:
+        """The shortest horizontal move (along x or y) taking the object clear of everything over it."""
+        low, high = self.scene.extent(self.obj)
+        move = np.zeros(3)
+        for over_low, over_high in self.scene.overhangs(self.obj, rise):
+            options = []
+            for axis in (0, 1):
+                options.append((over_high[axis] - (low[axis] + move[axis]) + CLEAR, axis))
+                options.append((over_low[axis] - (high[axis] + move[axis]) - CLEAR, axis))
+            shift, axis = min(options, key=lambda option: abs(option[0]))
+            move[axis] += shift
+        return move
 
     def _retry(self, raw: dict[str, Any]) -> np.ndarray:
         if self.attempts >= ATTEMPTS:
@@ -356,11 +437,19 @@ class OpenDrawer(Skill):
             self.count += 1
             if self.count >= OPEN_STEPS // 2:
                 self.enter("back")
+        rotation = self.rotation
         if self.phase == "back":
             goal = handle + TO_HANDLE * self.out + [0, 0, 0.05]
             if np.linalg.norm(goal - eef) < 0.03:
+                self.enter("unturn")
+        if self.phase == "unturn":
+            # the next skill's turn from here (a quarter-turned grasp) can wind the wrist against the arm: the hand
+            # goes back to the episode's orientation first, high, clear of the cabinet
+            goal, rotation = handle + TO_HANDLE * self.out + [0, 0, 0.12], None
+            self.count += 1
+            if self.hand.angle_to(raw, None) < 0.1 and np.linalg.norm(goal - eef) < 0.03 or self.count > 40:
                 self.done = True
-        return self.hand.action(raw, goal, grip, self.rotation, speed)
+        return self.hand.action(raw, goal, grip, rotation, speed)
 
 
 class PushClosed(Skill):

@@ -46,6 +46,7 @@ FAR = 0.68  # a target this far from the robot's base (horizontally) is near the
 HAND_FOOTPRINT = np.array([0.03, 0.06])  # the open hand's half extents over a grasp (x, y: the fingers' way)
 NUDGE = 0.02  # a grasped object is raised this much before it is moved out from under something
 CLEAR = 0.015  # ... and taken this far clear of it
+CLEAR_TOP = 0.03  # the held object's bottom over the target's top
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
 GRASP_BELOW_TOP = 0.04
@@ -141,6 +142,14 @@ class Scene:
                 boxes[body] = (np.minimum(old[0], box[0]), np.maximum(old[1], box[1]))
         return list(boxes.values())
 
+    def top(self, name: str) -> float:
+        """The top of a target: an object's, or a region's object's (a basket's rim); a drawer's region: its own
+        height, the cabinet above it is not in the way once it is open."""
+        site = self.domain.object_sites_dict.get(name)
+        if site is not None and (getattr(site, "joints", None) or not site.parent_name):
+            return float(self.position(name)[2])
+        return float(self.extent(site.parent_name if site is not None else name)[1][2])
+
     def is_drawer(self, region: str) -> bool:
         site = self.domain.object_sites_dict.get(region)
         return site is not None and bool(getattr(site, "joints", None))
@@ -221,6 +230,7 @@ class PickPlace(Skill):
         self.last_z, self.pushed_down = np.inf, False
         self.held = np.zeros(3)  # the hand's offset from the object's position, once lifted
         self.rest_z = self.scene.position(self.obj)[2]
+        self.below = self.rest_z - self.scene.extent(self.obj)[0][2]  # its position to its bottom
         # tall things (a bottle, a mug) are taken near the top, low ones just above their base
         top = self.scene.extent(self.obj)[1][2]
         self.grasp_z = max(0.01, top - self.rest_z - GRASP_BELOW_TOP)
@@ -294,7 +304,7 @@ class PickPlace(Skill):
             self.count += 1
             if self.count >= CLOSE_STEPS:
                 # fixed at the grasp: measured on the way, a slipping object would raise it without end
-                self.lift_to = max(target[2], self.rest_z) + LIFT + max(eef[2] - obj_centre[2], 0.0)
+                self.lift_to = max(self._carry(target), self.rest_z + LIFT) + max(eef[2] - obj_centre[2], 0.0)
                 self.lift_from = eef[2]
                 self.aside = eef + self._out_from_under(self.lift_to - eef[2]) + [0, 0, NUDGE]
                 self.enter("aside" if not np.allclose(self.aside[:2], eef[:2]) else "lift")
@@ -314,7 +324,7 @@ class PickPlace(Skill):
                 self.held = eef - obj_centre
                 self.enter("above_target")
         if self.phase == "above_target":
-            height = target[2] + LIFT + self.held[2]
+            height = self._carry(target) + self.held[2]
             goal, grip = np.array([target[0] + self.held[0], target[1] + self.held[1], height]), 1.0
             off = np.linalg.norm((goal - eef)[:2])
             if eef[2] < height - 0.03:  # still rising over the way
@@ -354,6 +364,12 @@ class PickPlace(Skill):
         if self.hand.start is None:
             self.hand.action(raw, raw["robot0_eef_pos"], -1.0)  # records the episode's first orientation
         return rotation_z(np.pi / 2) @ self.hand.start
+
+    def _carry(self, target: np.ndarray) -> float:
+        """The held object's height (its position) carried over the target: LIFT above it, its bottom clear of the
+        target's top (a basket's rim: carried lower, the object pushes the basket along)."""
+        top = self.scene.top(self.target_name)
+        return max(target[2] + LIFT, top + CLEAR_TOP + self.below)
 
     def _out_from_under(self, rise: float) -> np.ndarray:
         """The shortest horizontal move (along x or y) taking the object clear of everything over it."""

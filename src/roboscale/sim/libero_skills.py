@@ -50,7 +50,9 @@ CLEAR_TOP = 0.03  # the held object's bottom over the target's top
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
 GRASP_BELOW_TOP = 0.04
-RIMMED = ("bowl", "mug")  # wider than the open gripper: taken by the rim
+RIMMED = ("bowl", "mug")
+HANDLED = ("moka_pot",)  # taken by the lid's knob
+FINGERTIPS = 0.018  # the open fingers' lowest point below the hand's grip point, and a little room  # wider than the open gripper: taken by the rim
 TO_HANDLE = 0.10  # the turned hand's approach, in front of a drawer's handle
 PULL = 0.18
 PUSH_GAP = 0.03  # the hand's start behind a pushed object's edge
@@ -235,8 +237,10 @@ class PickPlace(Skill):
         top = self.scene.extent(self.obj)[1][2]
         self.grasp_z = max(0.01, top - self.rest_z - GRASP_BELOW_TOP)
         self.above = max(0.12, top - self.rest_z + 0.06)
-        self.quarter = False  # the hand turned a quarter: the fingers close along x
-        if self.rimmed:
+        self.turn = 0.0  # the hand's turn about the vertical from the episode's orientation (fingers close along y)
+        if any(word in self.obj for word in HANDLED):
+            self._by_the_knob()
+        elif self.rimmed:
             base = self.scene.position("robot0_base")
             if np.linalg.norm((self.scene.position(self.target_name) - base)[:2]) > FAR:
                 # held by the side rim the hand would be as far out as the target: near the edge of the arm's reach
@@ -244,7 +248,7 @@ class PickPlace(Skill):
                 # hand a rim's width closer.
                 toward = (base - self.scene.position(self.obj)) * [1, 1, 0]
                 self.offset = BOWL_RIM * toward / np.linalg.norm(toward)
-                self.quarter = True
+                self.turn = np.pi / 2
             else:
                 self.offset = np.array([0.0, self._free_side() * BOWL_RIM, 0.0])
 
@@ -358,12 +362,24 @@ class PickPlace(Skill):
                     return self._retry(raw)
         return self.hand.action(raw, goal, grip, self._rotation(raw), speed=speed)
 
+    def _by_the_knob(self) -> None:
+        """A moka pot: its body is as wide as the open hand (the fingers land on it) and its handle, to one side,
+        makes it turn in the fingers; the lid's knob, over its centre, holds its 70 g. The pads take the knob just
+        above the fingertips' clearance over the lid."""
+        scene = self.scene
+        geoms = [g for g in scene.colliding
+                 if scene.model.body(scene.model.geom_bodyid[g]).name.startswith(self.obj)]
+        knob = max(geoms, key=lambda g: scene.geom_box(g)[1][2])
+        low, high = scene.geom_box(knob)
+        self.offset = ((low + high) / 2 - scene.position(self.obj)) * [1, 1, 0]
+        self.grasp_z = low[2] + FINGERTIPS - self.rest_z
+
     def _rotation(self, raw: dict[str, Any]) -> np.ndarray | None:
-        if not self.quarter:
+        if self.turn == 0.0:
             return None
         if self.hand.start is None:
             self.hand.action(raw, raw["robot0_eef_pos"], -1.0)  # records the episode's first orientation
-        return rotation_z(np.pi / 2) @ self.hand.start
+        return rotation_z(self.turn) @ self.hand.start
 
     def _carry(self, target: np.ndarray) -> float:
         """The held object's height (its position) carried over the target: LIFT above it, its bottom clear of the

@@ -47,6 +47,7 @@ HAND_FOOTPRINT = np.array([0.03, 0.06])  # the open hand's half extents over a g
 NUDGE = 0.02  # a grasped object is raised this much before it is moved out from under something
 CLEAR = 0.015  # ... and taken this far clear of it
 CLEAR_TOP = 0.03  # the held object's bottom over the target's top
+SPOT_MARGIN = 0.015  # a place on a shared region: this far inside its edge
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
 GRASP_BELOW_TOP = 0.04
@@ -218,9 +219,10 @@ class Skill:
 class PickPlace(Skill):
     """``(In obj region)`` or ``(On obj target)``: pick ``obj`` up, carry it above the target, lower, let go."""
 
-    def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
+    def __init__(self, scene: Scene, hand: Hand, predicate: list[str], spot: np.ndarray | None = None):
         super().__init__(scene, hand, predicate)
         _, self.obj, self.target_name = predicate
+        self.spot = np.zeros(3) if spot is None else spot  # where on the target, from its centre
         self.rimmed = any(word in self.obj for word in RIMMED)
         self.offset = np.zeros(3)
         self.attempts = 0
@@ -242,7 +244,7 @@ class PickPlace(Skill):
             self._by_the_knob()
         elif self.rimmed:
             base = self.scene.position("robot0_base")
-            if np.linalg.norm((self.scene.position(self.target_name) - base)[:2]) > FAR:
+            if np.linalg.norm((self.scene.position(self.target_name) + self.spot - base)[:2]) > FAR:
                 # held by the side rim the hand would be as far out as the target: near the edge of the arm's reach
                 # the wrist pitches and the elbow locks straight before the hand is over it. The near rim keeps the
                 # hand a rim's width closer.
@@ -279,7 +281,7 @@ class PickPlace(Skill):
         eef = raw["robot0_eef_pos"]
         obj_centre = self.scene.position(self.obj)
         obj = obj_centre + self.offset
-        target = self.scene.position(self.target_name)
+        target = self.scene.position(self.target_name) + self.spot
         grip, speed = -1.0, 1.0
         if self.phase == "above_object":
             goal = obj + [0, 0, self.above]
@@ -634,6 +636,8 @@ class Push(Skill):
 
 
 SKILLS = {"in": PickPlace, "on": PickPlace, "open": OpenDrawer, "close": PushClosed, "turnon": TurnOn}
+STATES = ("turnon", "open", "close")  # predicates on a fixture's joint
+REDO = 1  # rounds over the goal's predicates that failed after the last skill
 ORDER = {"open": 0, "turnon": 0, "in": 1, "on": 1, "close": 2}
 
 
@@ -651,22 +655,52 @@ class Sequence:
         opened = [["open", p[2]] for p in goal if p[0] == "in" and self.scene.is_drawer(p[2])
                   and ["close", p[2]] not in goal and not self.scene.holds(["open", p[2]])]
         self.predicates = sorted(opened + goal, key=lambda p: ORDER[p[0]])  # stable: BDDL order kept
-        self.index = 0
-        self.skill = self._make(0)
+        self.index, self.redone = 0, 0
+        self.skill = self._make(self._first_to_do(0))
+
+    def _first_to_do(self, index: int) -> int:
+        """A stove already on, a drawer already open or closed is left alone: a knob grasped and let go again can
+        turn back off."""
+        while index < len(self.predicates) and self.predicates[index][0] in STATES \
+                and self.scene.holds(self.predicates[index]):
+            index += 1
+        self.index = index
+        return index
 
     def _make(self, index: int) -> Skill | None:
         if index >= len(self.predicates):
-            return None
+            # a later step can undo an earlier one (a pot set down nudges the other off the stove): redo it, once
+            undone = [i for i, p in enumerate(self.predicates) if not self.scene.holds(p)]
+            if not undone or self.redone >= REDO:
+                return None
+            self.redone += 1
+            self.index = index = undone[0]
         predicate = self.predicates[index]
         if predicate[0] == "on" and "plate" in predicate[1] and predicate[2].startswith(TABLE_REGIONS):
             return Push(self.scene, self.hand, predicate)  # a plate is pushed across the table, not lifted
+        if predicate[0] == "on":
+            return PickPlace(self.scene, self.hand, predicate, self._spot(predicate))
         return SKILLS[predicate[0]](self.scene, self.hand, predicate)
+
+    def _spot(self, predicate: list[str]) -> np.ndarray:
+        """Where on a region this object goes: two things put on one region (both moka pots on the stove) take
+        places apart along its longer side, the second one put on the first's spot knocks it off."""
+        sharing = [p for p in self.predicates if p[0] == "on" and p[2] == predicate[2]]
+        site = self.scene.domain.object_sites_dict.get(predicate[2])
+        if len(sharing) < 2 or site is None or site.size is None:
+            return np.zeros(3)
+        size = np.abs(self.scene.data.site_xmat[self.scene.model.site(predicate[2]).id].reshape(3, 3)
+                      @ np.asarray(site.size, dtype=float))
+        axis = int(np.argmax(size[:2]))
+        places = np.linspace(-1.0, 1.0, len(sharing)) * (size[axis] - SPOT_MARGIN)
+        spot = np.zeros(3)
+        spot[axis] = places[sharing.index(predicate)]
+        return spot
 
     def __call__(self, observation: dict[str, Any]) -> np.ndarray:
         raw = observation["privileged"]
         while self.skill is not None and self.skill.done:
-            self.index += 1
-            self.skill = self._make(self.index)
+            self.skill = self._make(self._first_to_do(self.index + 1))
         if self.skill is None:
             return self.hand.action(raw, raw["robot0_eef_pos"], -1.0)
         return self.skill(raw)

@@ -56,6 +56,11 @@ HANDLED = ("moka_pot",)  # taken by the lid's knob
 FINGERTIPS = 0.018  # the open fingers' lowest point below the hand's grip point, and a little room  # wider than the open gripper: taken by the rim
 TO_HANDLE = 0.10  # the turned hand's approach, in front of a drawer's handle
 PULL = 0.18
+TIP = 0.4  # radians a drawer-pushing hand is tipped forward
+PUSH_FROM = 0.05  # a drawer is pushed from this far in front of its handle ...
+PUSH_PAST = 0.05  # ... towards its handle this far further in
+DOOR_PUSH = 0.7  # a door is pushed this far out along it from the hinge ...
+DOOR_GAP = 0.05  # ... by the hand coming down this far before it
 PUSH_GAP = 0.03  # the hand's start behind a pushed object's edge
 TURN = 0.9  # radians the hand turns a knob: LIBERO's stoves are on from 0.5  # a drawer's travel is 0.16 m: pulled slightly beyond it
 
@@ -415,6 +420,12 @@ def rotation_z(angle: float) -> np.ndarray:
     return np.array([[cos, -sin, 0.0], [sin, cos, 0.0], [0.0, 0.0, 1.0]])
 
 
+def rotation_about(axis: np.ndarray, angle: float) -> np.ndarray:
+    from robosuite.utils.transform_utils import quat2mat, axisangle2quat
+
+    return quat2mat(axisangle2quat(axis / np.linalg.norm(axis) * angle))
+
+
 def turned_hand(direction: np.ndarray) -> np.ndarray:
     """The hand's orientation pointing along ``direction`` (horizontal), fingers vertical: it holds a bar across."""
     z = direction / np.linalg.norm(direction)
@@ -487,32 +498,53 @@ class OpenDrawer(Skill):
 
 
 class PushClosed(Skill):
-    """``(Close region)``: push the open drawer (or door) back in with the closed hand."""
+    """``(Close region)``: push an open drawer in by its handle or a hinged door shut (the closed hand beside its
+    free end, along the arc). The drawer closes only flush with the cabinet: the hand comes from above turned a
+    quarter, its palm's narrow side leading (2.7 cm ahead of the fingertips; the handle stands 3.1 cm out); the
+    palm's long side would meet the cabinet 10 cm before the drawer is in."""
 
     def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
         super().__init__(scene, hand, predicate)
         self.joint = scene.joint_of(predicate[1])
-        self.out = -scene.joint_axis(self.joint)
+        self.hinged = scene.model.jnt_type[self.joint] == 3
         body = scene.model.jnt_bodyid[self.joint]
-        self.front_geom = max(scene.geoms_of(body), key=lambda g: float(scene.data.geom_xpos[g] @ self.out))
-        self.enter("above")
+        self.geoms = scene.geoms_of(body)
+        if self.hinged:
+            self.axis = scene.joint_axis(self.joint)
+            # closing is towards positive angles (LIBERO's microwave: open below -1.3, closed from -0.005)
+            self.axis = self.axis if scene.model.jnt_range[self.joint][1] <= 0.005 else -self.axis
+        else:
+            self.out = -scene.joint_axis(self.joint)
+            self.handle_geom = max(self.geoms, key=lambda g: float(scene.data.geom_xpos[g] @ self.out))
+            # the episode's hand's world +x side turned to lead the push: turned the other way (its narrower side
+            # first) the wrist, 8 cm off the hand's axis, leads and the forearm comes down on the cabinet
+            self.turn = float(np.arctan2(-self.out[1], -self.out[0]))
+        self.enter("over")
 
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
+        if self.hinged:
+            return self._door(raw)
         eef = raw["robot0_eef_pos"]
-        front = np.array(self.scene.data.geom_xpos[self.front_geom])
+        if self.hand.start is None:
+            self.hand.action(raw, eef, 1.0)  # records the episode's first orientation
+        push = -self.out
+        # the fingertips tipped forward: the wrist, 20 cm up the hand, keeps the forearm off the cabinet's front
+        rotation = rotation_about(np.cross([0.0, 0.0, -1.0], push), TIP) @ rotation_z(self.turn) @ self.hand.start
+        handle = np.array(self.scene.data.geom_xpos[self.handle_geom]) + [0, 0, FINGERTIPS / 2]
         grip, speed = 1.0, 1.0
-        behind = front + 0.06 * self.out
-        if self.phase == "above":
-            goal = behind + [0, 0, 0.10]
+        front = handle + PUSH_FROM * self.out
+        if self.phase == "over":
+            goal = front + [0, 0, 0.10]
             self.count += 1
             if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
                 self.enter("down")
         if self.phase == "down":
-            goal = behind
-            if np.linalg.norm(goal - eef) < 0.015:
+            goal = front
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.01 or self.count > 30:
                 self.enter("push")
         if self.phase == "push":
-            goal, speed = front - 0.20 * self.out, 0.6
+            goal, speed = handle - PUSH_PAST * self.out, 0.6
             self.count += 1
             if self.scene.holds(self.predicate) or self.count > 60:
                 self.enter("back")
@@ -520,6 +552,48 @@ class PushClosed(Skill):
             goal = eef + 0.05 * self.out + [0, 0, 0.08]
             self.count += 1
             if self.count >= 6:
+                self.done = True
+        return self.hand.action(raw, goal, grip, rotation, speed)
+
+    def _door(self, raw: dict[str, Any]) -> np.ndarray:
+        eef = raw["robot0_eef_pos"]
+        anchor = np.array(self.scene.data.xanchor[self.joint])
+        # the push point: along the door, most of the way from the hinge to its free edge, at its middle height
+        points = np.array([self.scene.data.geom_xpos[g] for g in self.geoms])
+        radial = (points - anchor) * [1, 1, 0]
+        reach = float(np.max(np.linalg.norm(radial, axis=1)))
+        way = radial[np.argmax(np.linalg.norm(radial, axis=1))] / reach
+        lows, highs = zip(*(self.scene.geom_box(g) for g in self.geoms))
+        height = (min(b[2] for b in lows) + max(b[2] for b in highs)) / 2
+        point = anchor + DOOR_PUSH * reach * way
+        point[2] = height
+        moving = np.cross(self.axis, way)  # where the push point goes as the door closes
+        grip, speed = 1.0, 1.0
+        behind = point - DOOR_GAP * moving
+        if self.phase == "over":
+            goal = behind + [0, 0, 0.15]
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.02 or self.count > 40:
+                self.enter("down")
+        if self.phase == "down":
+            goal = behind
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.015 or self.count > 30:
+                self.enter("push")
+        if self.phase == "push":
+            # along the arc: ahead of the hand, at the push point's distance from the hinge
+            radius = (eef - anchor) * [1, 1, 0]
+            radius = radius / max(np.linalg.norm(radius), 1e-6)
+            ahead = np.cross(self.axis, radius)
+            goal, speed = anchor + DOOR_PUSH * reach * radius + 0.05 * ahead, 0.6
+            goal[2] = height
+            self.count += 1
+            if self.scene.holds(self.predicate) or self.count > 80:
+                self.enter("back")
+        if self.phase == "back":
+            goal = eef - 0.05 * moving + [0, 0, 0.10]
+            self.count += 1
+            if self.count >= 8:
                 self.done = True
         return self.hand.action(raw, goal, grip, speed=speed)
 

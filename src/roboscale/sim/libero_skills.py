@@ -48,6 +48,7 @@ NUDGE = 0.02  # a grasped object is raised this much before it is moved out from
 CLEAR = 0.015  # ... and taken this far clear of it
 CLEAR_TOP = 0.03  # the held object's bottom over the target's top
 SPOT_MARGIN = 0.015  # a place on a shared region: this far inside its edge
+HAND_HEIGHT = 0.12  # the hand's top over its grip point
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
 GRASP_BELOW_TOP = 0.04
@@ -132,6 +133,19 @@ class Scene:
         if not np.isfinite(low).all():
             raise ConfigError(f"LIBERO task {self.env.task}: no colliding geoms for {name!r}")
         return low, high
+
+    def bodies_in(self, low: np.ndarray, high: np.ndarray, floor: float, ceiling: float, exclude: str) -> list[int]:
+        """Bodies (not the robot's, not ``exclude``'s) with a geom in the horizontal box ``low``-``high`` between
+        ``floor`` and ``ceiling``."""
+        found = set()
+        for g in self.colliding:
+            body = self.model.geom_bodyid[g]
+            if body == 0 or self.model.body(body).name.startswith((exclude, "robot", "gripper", "mount")):
+                continue
+            box = self.geom_box(g)
+            if box[1][2] > floor and box[0][2] < ceiling and np.all(box[0][:2] < high) and np.all(box[1][:2] > low):
+                found.add(int(body))
+        return sorted(found)
 
     def overhangs(self, name: str, reach: float) -> list[tuple[np.ndarray, np.ndarray]]:
         """Boxes of the bodies (not the robot's, not ``name``'s) over ``name`` within ``reach`` above its top: an
@@ -248,16 +262,22 @@ class PickPlace(Skill):
         if any(word in self.obj for word in HANDLED):
             self._by_the_knob()
         elif self.rimmed:
-            base = self.scene.position("robot0_base")
-            if np.linalg.norm((self.scene.position(self.target_name) + self.spot - base)[:2]) > FAR:
-                # held by the side rim the hand would be as far out as the target: near the edge of the arm's reach
-                # the wrist pitches and the elbow locks straight before the hand is over it. The near rim keeps the
-                # hand a rim's width closer.
-                toward = (base - self.scene.position(self.obj)) * [1, 1, 0]
-                self.offset = BOWL_RIM * toward / np.linalg.norm(toward)
-                self.turn = np.pi / 2
-            else:
-                self.offset = np.array([0.0, self._free_side() * BOWL_RIM, 0.0])
+            self._by_the_rim()
+
+    def _by_the_rim(self) -> None:
+        """A free rim: the side one (-y or +y, fingers across the wall there) away from the other objects, or the
+        near one (the hand turned a quarter). The near one first for a far target: held by the side rim the hand
+        would be as far out as the target, where the wrist pitches and the elbow locks straight before the hand is
+        over it."""
+        base, centre = self.scene.position("robot0_base"), self.scene.position(self.obj)
+        toward = (base - centre) * [1, 1, 0]
+        near = (BOWL_RIM * toward / np.linalg.norm(toward), np.pi / 2)
+        side = self._free_side()
+        sides = [(np.array([0.0, s * BOWL_RIM, 0.0]), 0.0) for s in (side, -side)]
+        far = np.linalg.norm((self.scene.position(self.target_name) + self.spot - base)[:2]) > FAR
+        candidates = [near, *sides] if far else [*sides, near]
+        free = [c for c in candidates if not self._blocked(centre + c[0], c[1])]
+        self.offset, self.turn = (free or candidates)[0]
 
     def _free_side(self) -> float:
         """The rim side (-1: -y, +1: +y; the fingers close along y, across the wall there) farther from the rest."""
@@ -267,20 +287,15 @@ class PickPlace(Skill):
         for side in (-1.0, 1.0):
             rim = centre + [0.0, side * BOWL_RIM, 0.0]
             room[side] = min((np.linalg.norm((p - rim)[:2]) for p in others), default=np.inf)
-        blocked = {side: self._blocked(centre + [0.0, side * BOWL_RIM, 0.0]) for side in (-1.0, 1.0)}
-        if blocked[-1.0] != blocked[1.0]:
-            return 1.0 if blocked[-1.0] else -1.0
         return -1.0 if room[-1.0] >= room[1.0] - 0.02 else 1.0  # -y unless +y is clearly freer
 
-    def _blocked(self, rim: np.ndarray) -> bool:
-        """Whether something taller than the object stands under the open hand's footprint over ``rim`` (an open
-        drawer beside a bowl: positions alone miss it, the cabinet's origin is far from the drawer's front)."""
-        top = self.scene.extent(self.obj)[1][2]
-        for name in self.scene.others(self.obj):
-            low, high = self.scene.extent(name)
-            if high[2] > top and np.all(low[:2] < rim[:2] + HAND_FOOTPRINT) and np.all(high[:2] > rim[:2] - HAND_FOOTPRINT):
-                return True
-        return False
+    def _blocked(self, rim: np.ndarray, turn: float) -> bool:
+        """Whether a body (a fixture's part: an open drawer's handle, a wine rack) stands in the open hand's
+        footprint over ``rim`` higher than the object's bottom: the fingers would come down on it."""
+        footprint = HAND_FOOTPRINT if turn == 0.0 else HAND_FOOTPRINT[::-1]
+        floor = self.scene.extent(self.obj)[0][2] + 0.02
+        ceiling = self.rest_z + self.above + HAND_HEIGHT  # the hand's column from where it starts down
+        return bool(self.scene.bodies_in(rim[:2] - footprint, rim[:2] + footprint, floor, ceiling, self.obj))
 
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         eef = raw["robot0_eef_pos"]
@@ -726,8 +741,9 @@ class Sequence:
         self.scene, self.hand = Scene(env), Hand()
         goal = [[p[0].lower(), *p[1:]] for p in goal]
         # "open the top drawer and put the bowl inside" has only the In: the drawer is opened first
+        # (a drawer that starts half open is opened fully first too: the bowl put in would rest on its back)
         opened = [["open", p[2]] for p in goal if p[0] == "in" and self.scene.is_drawer(p[2])
-                  and ["close", p[2]] not in goal and not self.scene.holds(["open", p[2]])]
+                  and not self.scene.holds(["open", p[2]])]
         self.predicates = sorted(opened + goal, key=lambda p: ORDER[p[0]])  # stable: BDDL order kept
         self.index, self.redone = 0, 0
         self.skill = self._make(self._first_to_do(0))

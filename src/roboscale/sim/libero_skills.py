@@ -48,6 +48,7 @@ NUDGE = 0.02  # a grasped object is raised this much before it is moved out from
 CLEAR = 0.015  # ... and taken this far clear of it
 CLEAR_TOP = 0.03  # the held object's bottom over the target's top
 SPOT_MARGIN = 0.015  # a place on a shared region: this far inside its edge
+NEAR_ASIDE = 0.5  # radians around the bowl from its near rim (and twice that), where that is blocked
 HAND_HEIGHT = 0.12  # the hand's top over its grip point
 HELD = 0.02  # an object risen this much with the hand is held
 ATTEMPTS = 3  # picks before a skill gives up
@@ -271,12 +272,15 @@ class PickPlace(Skill):
         would be as far out as the target, where the wrist pitches and the elbow locks straight before the hand is
         over it."""
         base, centre = self.scene.position("robot0_base"), self.scene.position(self.obj)
-        toward = (base - centre) * [1, 1, 0]
-        near = (BOWL_RIM * toward / np.linalg.norm(toward), np.pi / 2)
+        toward = float(np.arctan2(*(base - centre)[1::-1]))
+        # the near rim, or beside it (the hand turned so that the fingers still close across the wall there)
+        near = [(BOWL_RIM * np.array([np.cos(toward + d), np.sin(toward + d), 0.0]), toward + d - np.pi / 2)
+                for d in (0.0, -NEAR_ASIDE, NEAR_ASIDE, -2 * NEAR_ASIDE, 2 * NEAR_ASIDE)]
         side = self._free_side()
         sides = [(np.array([0.0, s * BOWL_RIM, 0.0]), 0.0) for s in (side, -side)]
         far = np.linalg.norm((self.scene.position(self.target_name) + self.spot - base)[:2]) > FAR
-        candidates = [near, *sides] if far else [*sides, near]
+        # a far target's side rim is out of reach when placing: there a near one, even crowded, is the way
+        candidates = near if far else [*sides, near[0]]
         free = [c for c in candidates if not self._blocked(centre + c[0], c[1])]
         self.offset, self.turn = (free or candidates)[0]
 
@@ -293,7 +297,8 @@ class PickPlace(Skill):
     def _blocked(self, rim: np.ndarray, turn: float) -> bool:
         """Whether a body (a fixture's part: an open drawer's handle, a wine rack) stands in the open hand's
         footprint over ``rim`` higher than the object's bottom: the fingers would come down on it."""
-        footprint = HAND_FOOTPRINT if turn == 0.0 else HAND_FOOTPRINT[::-1]
+        cos, sin = abs(np.cos(turn)), abs(np.sin(turn))
+        footprint = np.array([[cos, sin], [sin, cos]]) @ HAND_FOOTPRINT  # the turned footprint's box
         floor = self.scene.extent(self.obj)[0][2] + 0.02
         ceiling = self.rest_z + self.above + HAND_HEIGHT  # the hand's column from where it starts down
         return bool(self.scene.bodies_in(rim[:2] - footprint, rim[:2] + footprint, floor, ceiling, self.obj))

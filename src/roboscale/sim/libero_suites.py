@@ -49,7 +49,6 @@ PERTURBATIONS = {
 }
 DISTRACTOR = "with_"
 """``<suite>_with_<thing>``: the standard scene with ``<thing>`` added."""
-DISTRACTOR_WORDS = {"diffpos_stick": "a stick in another place", "rotated_stick": "a stick, rotated"}
 NOT_PERTURBATIONS = ("trigger",)
 """LIBERO-Pro registers other studies' suites too (``libero_object_with_trigger*``: backdoor triggers)."""
 _SCENE_PREFIX = re.compile(r"^[A-Z0-9_]*SCENE\d+_")  # LIBERO-90-style file names: KITCHEN_SCENE3_open_the_...
@@ -92,8 +91,7 @@ class Variant(NamedTuple):
 def describe(perturbation: str) -> str:
     """A perturbation in words."""
     if perturbation.startswith(DISTRACTOR):
-        thing = perturbation.removeprefix(DISTRACTOR)
-        return f"a distractor added: {DISTRACTOR_WORDS.get(thing, thing.replace('_', ' '))}"
+        return f"a distractor added: {perturbation.removeprefix(DISTRACTOR).replace('_', ' ')}"
     return PERTURBATIONS.get(perturbation, perturbation)
 
 

@@ -40,7 +40,8 @@ def _against(perturbed: dict[str, Any], standard: dict[str, Any]) -> dict[str, A
 
 
 def summarize_robustness(per_task: dict[str, dict[str, Any]], variants: list[dict[str, Any]]) -> dict[str, Any]:
-    """``{"suites": {base suite: {"standard": pooled, "perturbations": [row per perturbed suite]}}}``; a row has
+    """``{"suites": {base suite: {"standard": pooled, "standard_rates": {task: rate}, "perturbations": [row per
+    perturbed suite]}}}``; a row has
     the suite, its perturbation and description, pooled success, ``drop``, ``p_value`` and ``per_task`` (standard
     task -> the perturbed task's success, drop and p-value)."""
     suites: dict[str, dict[str, Any]] = {}
@@ -62,6 +63,7 @@ def summarize_robustness(per_task: dict[str, dict[str, Any]], variants: list[dic
         base["perturbations"].append(row)
     for base in suites.values():
         base["standard"] = _pooled([per_task[t] for t in base["standard_tasks"]])
+        base["standard_rates"] = {t: per_task[t]["success_rate"] for t in base["standard_tasks"]}
     return {"suites": suites}
 
 
@@ -107,8 +109,7 @@ def robustness_markdown(robustness: dict[str, Any]) -> list[str]:
             for row in entry["perturbations"]:
                 text, significant = _matrix_cell(row["per_task"].get(task))
                 cells.append(f"{text} *" if significant else text)
-            standard = next(r["per_task"][task] for r in entry["perturbations"] if task in r["per_task"])
-            md.append(f"| {markdown_text(task)} | {standard['standard_rate']:.0%} | " + " | ".join(cells) + " |")
+            md.append(f"| {markdown_text(task)} | {entry['standard_rates'][task]:.0%} | " + " | ".join(cells) + " |")
     return md
 
 
@@ -135,12 +136,11 @@ def robustness_html(robustness: dict[str, Any]) -> str:
         names = [row["perturbation"] for row in entry["perturbations"]]
         matrix = []
         for task in entry["standard_tasks"]:
-            standard = next(r["per_task"][task] for r in entry["perturbations"] if task in r["per_task"])
             cells = []
             for row in entry["perturbations"]:
                 text, significant = _matrix_cell(row["per_task"].get(task))
                 cells.append(f"<span class='sig'>{escape(text)} *</span>" if significant else escape(text))
-            matrix.append([escape(task), f"{standard['standard_rate']:.0%}", *cells])
+            matrix.append([escape(task), f"{entry['standard_rates'][task]:.0%}", *cells])
         out += ["<p>Per task: success, and its change from the standard task.</p>",
                 html_table(["task", "standard", *map(escape, names)], matrix, numeric=set(range(1, len(names) + 2)))]
     return "\n".join(out)

@@ -80,9 +80,9 @@ def write_tiny_dataset(root: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def _sigint_handler_kept(request):
-    """Some test leaves SIGINT ignored in this process (tests/utils/test_lifetime_signals.py found it, not yet
-    traced): a warning names the first test that changes the handler, for whoever traces it. Code a user calls
-    in-process must not take Ctrl-C away from them."""
+    """A warning names any test after which SIGINT's handler changed: code a user calls in-process must not take
+    Ctrl-C away from them. (SIGINT found ignored at the start of a test is not this: a background job of a
+    non-interactive shell, such as ``make test &``, starts with SIGINT ignored and Python keeps it so.)"""
     import signal
     import warnings
 

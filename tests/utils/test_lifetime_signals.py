@@ -19,8 +19,9 @@ def _send_to_this_thread(signum: int) -> None:
 
 @pytest.fixture
 def python_sigint():
-    """Python's own Ctrl-C handler for the test: something an earlier test runs in this process (not traced yet)
-    leaves SIGINT ignored, and a deferred signal then does what the handler in place does: nothing."""
+    """Python's own Ctrl-C handler for the test: pytest started as a background job of a non-interactive shell
+    (``make test &``, CI scripts) inherits SIGINT ignored, and Python then installs no handler of its own; a
+    deferred signal does what the handler in place does, which would be nothing."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)

@@ -37,6 +37,12 @@ from av.video.reformatter import VideoReformatter
 from roboscale.errors import DatasetError
 from roboscale.utils.io import file_identity
 
+#: swscale threads per pixel-format conversion. PyAV's default (0: one per core) leaves a slice-thread pool in the
+#: converter, and a loader worker forked while one exists hung in ``avpriv_slicethread_free`` (a fresh-clone
+#: ``make test``, FFmpeg 8.1): the pool's condition variable is copied mid-use and is never released in the child.
+#: Loader workers already take every core, and converting a frame the size we train at costs microseconds.
+SWSCALE_THREADS = 1
+
 _T = TypeVar("_T")
 
 
@@ -256,7 +262,7 @@ def _read(dec: _Decoder, times: np.ndarray, tol: float, max_skip: int, field: st
                     continue
                 raise DatasetError(dec.path, f"no frame within tolerance_s={tol} of timestamp {query:.6f}s (next "
                                              f"frame at {t:.6f}s)", field=field, episode=episode)
-            dec.last_rgb = dec.reformatter.reformat(frame, format="rgb24").to_ndarray()
+            dec.last_rgb = dec.reformatter.reformat(frame, format="rgb24", threads=SWSCALE_THREADS).to_ndarray()
             out[j] = dec.last_rgb
             break
     return out

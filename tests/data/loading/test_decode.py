@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import av
 import numpy as np
 import pytest
 
-from roboscale.data.lerobot.video import decode_frames
+from roboscale.data.lerobot.video import _pixels, decode_frames
 from roboscale.data.loading.decode import DecoderPool
 from roboscale.data.loading.raw_source import RawSource
 from roboscale.errors import DatasetError
@@ -38,3 +42,26 @@ def test_errors_name_file_episode_and_field_and_open_files_are_bounded(fixture_r
     assert pool.num_open == 1  # the LRU closed the first file
     pool.read(path, [start], 1e-4)
     assert pool.num_open == 1 and pool.opened == 4  # failed decoder dropped, reopened, evicted, reopened
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_converting_frames_to_rgb_starts_no_threads(fixture_root):
+    """Loader workers are forked, and one forked while a swscale slice-thread pool existed hung freeing it (PyAV's
+    default converts on one thread per core): frames are converted on the calling thread alone."""
+    source = RawSource(fixture_root)
+    path, start = source.video_location(1, "observation.images.corner")
+    times = start + np.arange(8) / source.fps
+    pool = DecoderPool(max_open=1, threads_per_decoder=1)
+    before = _threads()
+    pool.read(path, times, 1e-4)
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1
+        frame = next(container.decode(stream))
+        rgb = _pixels(frame, depth=False)
+    assert rgb.shape[-1] == 3
+    assert _threads() == before

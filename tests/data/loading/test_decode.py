@@ -9,8 +9,8 @@ import av
 import numpy as np
 import pytest
 
-from roboscale.data.lerobot.video import _pixels, decode_frames
-from roboscale.data.loading.decode import DecoderPool
+from roboscale.data.lerobot.video import decode_frames
+from roboscale.data.loading.decode import DecoderPool, frame_array
 from roboscale.data.loading.raw_source import RawSource
 from roboscale.errors import DatasetError
 
@@ -62,6 +62,6 @@ def test_converting_frames_to_rgb_starts_no_threads(fixture_root):
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1
         frame = next(container.decode(stream))
-        rgb = _pixels(frame, depth=False)
+        rgb = frame_array(frame, "rgb24")
     assert rgb.shape[-1] == 3
     assert _threads() == before

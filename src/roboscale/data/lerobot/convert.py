@@ -52,7 +52,7 @@ from roboscale.data.lerobot.writer import (
     _VideoShards,
     next_shard,
 )
-from roboscale.data.loading.decode import SWSCALE_THREADS
+from roboscale.data.loading.decode import frame_array
 from roboscale.errors import DatasetError
 from roboscale.utils.io import atomic_directory, load_json
 
@@ -322,7 +322,7 @@ def decode_episode_file(path: Path, length: int, key: str, ep: int) -> np.ndarra
     """uint8 [length, H, W, 3]: the first ``length`` frames (in presentation order) of a v2.x episode mp4."""
     container = _open_source_video(path, key, ep)
     try:
-        decoded = sorted(((f.pts or 0, f.to_ndarray(format="rgb24", threads=SWSCALE_THREADS)) for f in container.decode(video=0)),
+        decoded = sorted(((f.pts or 0, frame_array(f, "rgb24")) for f in container.decode(video=0)),
                          key=lambda item: item[0])
     except (av.FFmpegError, ValueError) as e:
         raise DatasetError(path, f"cannot decode video: {e}", field=key, episode=ep) from None

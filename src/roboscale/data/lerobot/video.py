@@ -27,7 +27,7 @@ import av
 import numpy as np
 
 from roboscale.data.lerobot.depth import DEPTH_PIX_FMT
-from roboscale.data.loading.decode import SWSCALE_THREADS, DecoderPool
+from roboscale.data.loading.decode import DecoderPool, frame_array
 from roboscale.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def decode_png(data: bytes, channels: int = 3, source: str | Path = "<png>") -> 
         raise DatasetError(source, f"cannot decode PNG image: {e}") from None
     if not frames:
         raise DatasetError(source, "cannot decode PNG image: no frame")
-    array = frames[0].to_ndarray(format=fmt, threads=SWSCALE_THREADS)
+    array = frame_array(frames[0], fmt)
     return array[:, :, None] if array.ndim == 2 else array
 
 
@@ -233,8 +233,8 @@ def _decode_from(container: av.container.InputContainer, stream: av.VideoStream,
 def _pixels(frame: av.VideoFrame, depth: bool) -> np.ndarray:
     """uint8 HxWx3 RGB, or uint16 HxWx1 12-bit codes of a depth stream."""
     if depth:
-        return frame.to_ndarray(format=DEPTH_PIX_FMT, threads=SWSCALE_THREADS)[:, :, None]
-    return frame.to_ndarray(format="rgb24", threads=SWSCALE_THREADS)
+        return frame_array(frame, DEPTH_PIX_FMT)[:, :, None]
+    return frame_array(frame, "rgb24")
 
 
 def decode_frames(path: str | Path, timestamps: list[float] | np.ndarray, tolerance_s: float, *,

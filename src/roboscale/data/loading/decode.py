@@ -43,6 +43,11 @@ from roboscale.utils.io import file_identity
 #: Loader workers already take every core, and converting a frame the size we train at costs microseconds.
 SWSCALE_THREADS = 1
 
+
+def frame_array(frame: av.VideoFrame, pix_fmt: str) -> np.ndarray:
+    """``frame`` as an array in ``pix_fmt``, converted on the calling thread alone (see ``SWSCALE_THREADS``)."""
+    return frame.to_ndarray(format=pix_fmt, threads=SWSCALE_THREADS)
+
 _T = TypeVar("_T")
 
 

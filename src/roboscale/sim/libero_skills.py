@@ -236,11 +236,11 @@ class Skill:
     def enter(self, phase: str) -> None:
         self.phase, self.count = phase, 0
 
-    def approach(self, eef: np.ndarray, point: np.ndarray, above: str, down_steps: int) -> np.ndarray | None:
+    def approach(self, eef: np.ndarray, point: np.ndarray, down_steps: int) -> np.ndarray | None:
         """Phases ``above`` (10 cm over ``point``) then ``down`` (onto it), then ``push``: the goal of whichever
         of the first two this step is in, None in any other phase."""
         goal = None
-        if self.phase == above:
+        if self.phase == "above":
             goal = point + [0, 0, 0.10]
             self.count += 1
             if np.linalg.norm(goal - eef) < 0.015 or self.count > 40 and np.linalg.norm((goal - eef)[:2]) < 0.02:
@@ -559,7 +559,7 @@ class PushClosed(Skill):
             # the episode's hand's world +x side turned to lead the push: turned the other way (its narrower side
             # first) the wrist, 8 cm off the hand's axis, leads and the forearm comes down on the cabinet
             self.turn = float(np.arctan2(-self.out[1], -self.out[0]))
-        self.enter("over")
+        self.enter("above")
 
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         if self.hinged:
@@ -573,7 +573,7 @@ class PushClosed(Skill):
         handle = np.array(self.scene.data.geom_xpos[self.handle_geom]) + [0, 0, FINGERTIPS / 2]
         grip, speed = 1.0, 1.0
         front = handle + PUSH_FROM * self.out
-        goal = self.approach(eef, front, "over", down_steps=30)
+        goal = self.approach(eef, front, down_steps=30)
         if self.phase == "push":
             goal, speed = handle - PUSH_PAST * self.out, 0.6
             self.count += 1
@@ -601,7 +601,7 @@ class PushClosed(Skill):
         moving = np.cross(self.axis, way)  # where the push point goes as the door closes
         grip, speed = 1.0, 1.0
         behind = point - DOOR_GAP * moving
-        if self.phase == "over":
+        if self.phase == "above":
             goal = behind + [0, 0, 0.15]
             self.count += 1
             if np.linalg.norm(goal - eef) < 0.02 or self.count > 40:
@@ -728,7 +728,7 @@ class Push(Skill):
         start = obj + inside
         start[2] = self.floor
         grip, speed = 1.0, 1.0
-        goal = self.approach(eef, start, "above", down_steps=20)
+        goal = self.approach(eef, start, down_steps=20)
         if self.phase == "push":
             aim = obj.copy()
             aim[self.axis] = region[self.axis]

@@ -40,10 +40,10 @@ def _against(perturbed: dict[str, Any], standard: dict[str, Any]) -> dict[str, A
 
 
 def summarize_robustness(per_task: dict[str, dict[str, Any]], variants: list[dict[str, Any]]) -> dict[str, Any]:
-    """``{"suites": {base suite: {"standard": pooled, "standard_rates": {task: rate}, "perturbations": [row per
-    perturbed suite]}}}``; a row has
-    the suite, its perturbation and description, pooled success, ``drop``, ``p_value`` and ``per_task`` (standard
-    task -> the perturbed task's success, drop and p-value)."""
+    """``{"suites": {base suite: {"standard_tasks": [...], "standard": pooled, "standard_rates": {task: rate},
+    "perturbations": [row per perturbed suite]}}}``; a row has the suite, its perturbation and description, pooled
+    success, ``drop``, ``p_value`` and ``per_task`` (standard task -> the perturbed task's success, drop and
+    p-value)."""
     suites: dict[str, dict[str, Any]] = {}
     by_suite: dict[str, list[dict[str, Any]]] = {}
     for variant in variants:

@@ -66,8 +66,15 @@ PUSH_FROM = 0.05  # a drawer is pushed from this far in front of its handle ...
 PUSH_PAST = 0.05  # ... towards its handle this far further in
 DOOR_PUSH = 0.7  # a door is pushed this far out along it from the hinge ...
 DOOR_GAP = 0.05  # ... by the hand coming down this far before it
-LEG_DONE = 0.015  # a pushed plate this near the region along an axis is not pushed along it
-PUSH_GAP = 0.03  # the hand's start behind a pushed object's edge
+PUSH_ARRIVED = 0.0075  # a dragged plate this near the region's centre along x and y has arrived
+PUSH_PRESS_AT = np.array([-0.015, 0.0, 0.0])  # where the hand presses on a plate, from its centre
+PUSH_PRESS = 0.003  # the dragging hand's goal this far below the plate's floor (harder: the plate sticks to the table)
+PUSH_LEAD = 0.05  # the dragging hand's goal this far ahead of the plate, towards the region
+PUSH_SPEED = 0.6  # of the hand's top speed while dragging
+PUSH_SLIPPED = 0.025  # a hand this far from its place on the plate has slipped off it
+PUSH_STEPS = 120  # the longest drag before it is started again from above
+PUSH_RISE = 0.05  # a hand that slipped rises this far above the plate's rim before pressing on again
+PUSH_LEGS = 4  # drags before the skill gives up
 TURN = 0.9  # radians the hand turns a knob: LIBERO's stoves are on from 0.5  # a drawer's travel is 0.16 m: pulled slightly beyond it
 
 
@@ -698,49 +705,53 @@ TABLE_REGIONS = ("main_table_", "kitchen_table_", "living_room_table_", "study_t
 
 
 class Push(Skill):
-    """``(On obj region)`` for a flat thing (a plate): the closed hand inside its rim pushes it to the region, along
-    x first (towards the robot, as LIBERO's plates lie: at table height the hand reaches only a little past x = 0,
-    short of the plate's far rim), then along y."""
+    """``(On obj region)`` for a flat thing (a plate): the closed hand pressed on its floor drags it to the region.
+
+    LIBERO's plate weighs 11 g and its rim slopes outwards: a hand pushing the rim from inside lifts it over the
+    fingertips (the plate tips up and the hand passes under), and behind the plate the arm cannot reach at table
+    height. The finger pads' friction (2.0) is twice the plate's on the table (0.95), so a hand pressing on the
+    floor carries the plate along. Closed-loop: the hand's goal is re-aimed from where the plate is on every step;
+    a plate left behind (the pads slipped) is pressed on again from above."""
 
     def __init__(self, scene: Scene, hand: Hand, predicate: list[str]):
         super().__init__(scene, hand, predicate)
         _, self.obj, self.region = predicate
         low, high = scene.extent(self.obj)
-        self.radius, self.height = float(np.max(high[:2] - low[:2]) / 2), float(high[2])
-        self.floor = float(low[2]) + 0.012  # the fingertips (1.4 cm below the grip point) on the plate, under its rim
+        self.height = float(high[2])
+        self.floor = float(low[2]) + 0.012  # the closed fingertips (1.4 cm below the grip point) on the plate's floor
         self.legs = 0
         self._next_leg()
 
     def _next_leg(self) -> None:
-        obj, region = self.scene.position(self.obj), self.scene.position(self.region)
-        off = (region - obj)[:2]
-        self.axis = 0 if abs(off[0]) > LEG_DONE else 1
-        self.way = np.zeros(3)
-        self.way[self.axis] = np.sign(off[self.axis]) or 1.0
         self.legs += 1
         self.enter("above")
+
+    def _arrived(self, obj: np.ndarray, region: np.ndarray) -> bool:
+        return bool(np.all(np.abs((region - obj)[:2]) < PUSH_ARRIVED))
 
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         eef = raw["robot0_eef_pos"]
         obj, region = self.scene.position(self.obj), self.scene.position(self.region)
-        # against the rim ahead, from inside: behind the plate there may be no room (the cabinet stands there)
-        inside = (self.radius - PUSH_GAP) * self.way
-        start = obj + inside
-        start[2] = self.floor
+        press = obj + PUSH_PRESS_AT  # on the plate's floor, on its side nearer the robot (within reach)
+        press[2] = self.floor
         grip, speed = 1.0, 1.0
-        goal = self.approach(eef, start, down_steps=20)
+        goal = self.approach(eef, press, down_steps=20)
         if self.phase == "push":
-            aim = obj.copy()
-            aim[self.axis] = region[self.axis]
-            goal, speed = aim + inside, 0.5
-            goal[2] = self.floor
+            step = (region - obj)[:2]
+            step *= min(1.0, PUSH_LEAD / max(float(np.linalg.norm(step)), 1e-6))
+            goal = press.copy()
+            goal[:2] += step
+            goal[2] = self.floor - PUSH_PRESS
+            speed = PUSH_SPEED
             self.count += 1
-            if abs(obj[self.axis] - region[self.axis]) < LEG_DONE / 2 or self.count > 60:
+            if self._arrived(obj, region):
                 self.enter("up")
+            elif np.linalg.norm((eef - press)[:2]) > PUSH_SLIPPED or self.count > PUSH_STEPS:
+                self.enter("up")  # the plate left behind: pressed on again from above
         if self.phase == "up":
-            goal = np.array([eef[0], eef[1], self.height + 0.10])
-            if eef[2] > goal[2] - 0.02:
-                if self.scene.holds(self.predicate) or self.legs >= 3:
+            goal = np.array([eef[0], eef[1], self.height + PUSH_RISE])
+            if eef[2] > goal[2] - 0.01:
+                if self.scene.holds(self.predicate) or self.legs >= PUSH_LEGS:
                     self.done = True
                 else:
                     self._next_leg()

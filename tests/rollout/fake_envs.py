@@ -18,9 +18,11 @@ import numpy as np
 
 from roboscale.errors import ConfigError
 from roboscale.sim.env import EnvRequest, EnvSpec, Step
+from roboscale.sim.experts import Expert, ExpertSpec
 
 TASKS = {"reach": "Reach the goal", "reach-far": "Reach the far goal", "crash-once": "Reach, crashing once",
-         "hang-once": "Reach, hanging once", "raise-always": "Reach, raising always", "broken-camera": "No camera"}
+         "hang-once": "Reach, hanging once", "raise-always": "Reach, raising always", "broken-camera": "No camera",
+         "out-of-reach": "Reach a goal beyond the walls"}
 
 
 class PointEnv:
@@ -46,6 +48,8 @@ class PointEnv:
         self.seed = seed
         self.state = rng.uniform(-0.5, 0.5, 4)
         self.goal = rng.uniform(-1, 1, 4) * (1.0 if self.task == "reach-far" else 0.3)
+        if self.task == "out-of-reach":
+            self.goal[0] = 1.5  # the state stays in [-1, 1]: no expert succeeds
         if self.task == "reach" and seed % 3 == 0:
             self.goal = self.state + rng.uniform(-0.05, 0.05, 4)  # a goal at hand: success in the first steps
         self.limit = self.max_steps - seed % 5  # episodes of different lengths
@@ -89,5 +93,21 @@ def make_point_env(task: str, request: EnvRequest) -> PointEnv:
     return PointEnv(task, request.image_size, request.cameras, request.max_steps or 30, request.state_feature)
 
 
+def observation_features(image_size: int, cameras: dict[str, str]) -> dict[str, dict]:
+    features = {f"observation.images.{name}": {"dtype": "video", "shape": [image_size, image_size, 3],
+                                               "names": ["height", "width", "channels"]} for name in cameras}
+    features["observation.state"] = {"dtype": "float32", "shape": [4], "names": None}
+    return features
+
+
+def expert(env: PointEnv) -> Expert:
+    """Straight at the goal (privileged: the env's own), as fast as actions go."""
+    return lambda observation: np.clip((env.goal - observation["state"]) / 0.1, -1.0, 1.0)
+
+
+EXPERTS = ExpertSpec(fps=10, robot_type="point", observation_features=observation_features,
+                     action_names=("a0", "a1", "a2", "a3"), expert=expert,
+                     frame=lambda observation: {"observation.state": observation["state"]}, max_steps=30)
+
 SPEC = EnvSpec("fake-point", make_point_env, resolve, TASKS.__getitem__,
-               camera_aliases={"corner2": "corner2", "wrist": "wrist"})
+               camera_aliases={"corner2": "corner2", "wrist": "wrist"}, experts="tests.rollout.fake_envs:EXPERTS")

@@ -3,7 +3,7 @@ import pytest
 
 from roboscale.configs.data import GenerateConfig
 from roboscale.data import LeRobotDataset
-from roboscale.errors import ConfigError
+from roboscale.errors import ConfigError, RoboscaleError
 from roboscale.sim.experts import generate_dataset
 from roboscale.sim.metaworld import MetaWorldEnv, RenderConfig, resolve_tasks
 
@@ -45,3 +45,29 @@ def test_generating_one_expert_episode_writes_a_readable_dataset(tmp_path, caplo
     assert item["observation.images.wrist"].shape == (3, 32, 32)
     assert item["task"] == "Press a button from the top"
     assert set(ds.meta.stats) >= {"observation.state", "action", "observation.images.corner2"}
+
+
+FAKE = "tests.rollout.fake_envs:SPEC"
+
+
+def test_a_task_the_expert_cannot_do_stops_generation_unless_partial_tasks(tmp_path, caplog):
+    """One task's expert never succeeds: by default nothing is written; with partial_tasks the other tasks' demos
+    are, and the summary names the short task."""
+    cfg = GenerateConfig(env=FAKE, tasks=["reach", "out-of-reach"], episodes_per_task=2, max_attempts=3,
+                         out=str(tmp_path / "all"), image_size=8, workers=2, action_noise=0.0, steps_after_success=0)
+    with pytest.raises(RoboscaleError, match="out-of-reach: the expert succeeded only 0 times in 3 attempts"):
+        generate_dataset(cfg)
+    assert not [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")]  # no dataset, no staging left
+
+    cfg.out, cfg.partial_tasks = str(tmp_path / "partial"), True
+    with caplog.at_level("INFO", logger="roboscale.sim.experts"):
+        generate_dataset(cfg)
+    assert "reach: 2/2 (100%)" in caplog.text and "out-of-reach: 0/3 (0%), short of 2" in caplog.text
+    assert "1 of 2 tasks have fewer than 2 demos (--partial_tasks): out-of-reach 0" in caplog.text
+    ds = LeRobotDataset(root=tmp_path / "partial")
+    assert ds.num_episodes == 2 and ds.meta.task_list == ["Reach the goal"]
+
+    cfg.out, cfg.tasks = str(tmp_path / "none"), ["out-of-reach"]
+    with pytest.raises(RoboscaleError, match="the experts succeeded in none of 3 attempts"):
+        generate_dataset(cfg)
+    assert not (tmp_path / "none").exists()

@@ -51,6 +51,10 @@ class GenerateConfig:
     max_attempts: int = 0
     """Expert attempts per task before generation gives up on it (0: 4 x episodes_per_task + 10). The noise
     makes experts fail: with the default noise the push expert succeeds in about one attempt in four."""
+    partial_tasks: bool = False
+    """A task whose expert runs out of attempts keeps the demos it made and generation goes on with the other
+    tasks (the summary lists the short ones; no demo at all is still an error). Off: generation stops with an
+    error and writes nothing, so a dataset always has episodes_per_task demos of every task."""
     seed: int = 0
     """Base seed: episode placements and noise derive from (seed, task, attempt)."""
     first_scene: int = 0

@@ -134,8 +134,11 @@ def _worker(task: str, cfg: GenerateConfig, queue: mp.Queue) -> None:
     try:
         while kept < cfg.episodes_per_task:
             if attempt >= max_attempts:
+                if cfg.partial_tasks:
+                    break  # the demos it made are kept: the writer sees the task finished short
                 queue.put(("error", task, f"the expert succeeded only {kept} times in {attempt} attempts at "
-                                          f"action_noise={cfg.action_noise}; lower the noise or raise max_attempts"))
+                                          f"action_noise={cfg.action_noise}; lower the noise, raise max_attempts "
+                                          "or keep the other tasks' demos with --partial_tasks=true"))
                 return
             episode = run_expert_episode(
                 env,
@@ -229,14 +232,17 @@ def generate_dataset(cfg: GenerateConfig) -> Path:
         video_codec=cfg.video_codec,
     )
     waiting: dict[str, list[Episode]] = {t: [] for t in tasks}
+    kept: dict[str, int] = dict.fromkeys(tasks, 0)
     attempts: dict[str, int] = {}
     next_task = 0
-    with tqdm(total=len(tasks) * cfg.episodes_per_task, desc="expert demos", unit="ep") as bar:
+    # finalized on leaving the block, aborted (nothing at ``out``) on an error or Ctrl-C
+    with writer, tqdm(total=len(tasks) * cfg.episodes_per_task, desc="expert demos", unit="ep") as bar:
         for task, episode in generate_episodes(cfg):
             if isinstance(episode, int):
                 attempts[task] = episode
             else:
                 waiting[task].append(episode)
+                kept[task] += 1
                 bar.update(1)
             # Write everything that is now in canonical order.
             while next_task < len(tasks):
@@ -247,9 +253,15 @@ def generate_dataset(cfg: GenerateConfig) -> Path:
                 if current not in attempts:
                     break
                 next_task += 1
-    writer.finalize()
-    log.info("wrote %d tasks x %d episodes to %s; the expert's success per task (demos kept / attempts):\n%s",
-             len(tasks), cfg.episodes_per_task, out, "\n".join(
-                 f"  {task}: {cfg.episodes_per_task}/{attempts[task]} ({cfg.episodes_per_task / attempts[task]:.0%})"
-                 for task in tasks))
+        if sum(kept.values()) == 0:
+            raise RoboscaleError(f"demonstrations: the experts succeeded in none of {sum(attempts.values())} "
+                                 f"attempts at action_noise={cfg.action_noise}; nothing was written to {out}")
+    short = {task: kept[task] for task in tasks if kept[task] < cfg.episodes_per_task}
+    log.info("wrote %d episodes of %d tasks to %s; the expert's success per task (demos kept / attempts):\n%s",
+             sum(kept.values()), len(tasks) - sum(n == 0 for n in short.values()), out, "\n".join(
+                 f"  {task}: {kept[task]}/{attempts[task]} ({kept[task] / attempts[task]:.0%})"
+                 + (f", short of {cfg.episodes_per_task}" if task in short else "") for task in tasks))
+    if short:
+        log.warning("%d of %d tasks have fewer than %d demos (--partial_tasks): %s", len(short), len(tasks),
+                    cfg.episodes_per_task, ", ".join(f"{task} {n}" for task, n in short.items()))
     return out

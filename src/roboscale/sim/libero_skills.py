@@ -20,7 +20,8 @@ starts over. All skills drive the end-effector with OSC_POSE position deltas sat
   pushed along its arc (not working yet: the microwave).
 - ``TurnOn``: the stove's knob grasped by its grip over the axis and turned with the hand (pushing the grip's end
   wedges the hand after about 0.4 rad; on is 0.5).
-- ``Push``: a plate pushed from inside its rim, along x into reach first, then along y.
+- ``Push``: a plate dragged to its region by the closed hand pressed on its floor, re-aimed at the plate on
+  every step (pushed by its rim from inside, the 11 g plate tips up over the fingers).
 
 A fixture's predicate that holds already is skipped (a knob let go again can turn back off); predicates undone by a
 later step are redone once. Success from the official init states (benchmarks/expert_success.py, 10 episodes each):

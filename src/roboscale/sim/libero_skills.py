@@ -25,7 +25,7 @@ starts over. All skills drive the end-effector with OSC_POSE position deltas sat
 
 A fixture's predicate that holds already is skipped (a knob let go again can turn back off); predicates undone by a
 later step are redone once. Success from the official init states (benchmarks/expert_success.py, 10 episodes each):
-libero_goal 92% (9 of 10 tasks at 90-100%; the bowl in the top drawer 30%: the bowl lies partly under the opened
+libero_goal 93% (9 of 10 tasks at 90-100%; the bowl in the top drawer 30%: the bowl lies partly under the opened
 drawer and the task's 300 steps run out), libero_10 87% (9 of 10 at 80-100%; the mug in the microwave 0%: it is
 lowered from above onto the microwave's roof, an insertion from the front is not scripted).
 """

@@ -75,7 +75,7 @@ PUSH_SPEED = 0.6  # of the hand's top speed while dragging
 PUSH_SLIPPED = 0.025  # a hand this far from its place on the plate has slipped off it
 PUSH_STEPS = 120  # the longest drag before it is started again from above
 PUSH_RISE = 0.05  # a hand that slipped rises this far above the plate's rim before pressing on again
-PUSH_LEGS = 4  # drags before the skill gives up
+PUSH_DRAGS = 4  # drags before the skill gives up
 TURN = 0.9  # radians the hand turns a knob: LIBERO's stoves are on from 0.5  # a drawer's travel is 0.16 m: pulled slightly beyond it
 
 
@@ -720,11 +720,11 @@ class Push(Skill):
         low, high = scene.extent(self.obj)
         self.height = float(high[2])
         self.floor = float(low[2]) + 0.012  # the closed fingertips (1.4 cm below the grip point) on the plate's floor
-        self.legs = 0
-        self._next_leg()
+        self.drags = 0
+        self._press_on()
 
-    def _next_leg(self) -> None:
-        self.legs += 1
+    def _press_on(self) -> None:
+        self.drags += 1
         self.enter("above")
 
     def _arrived(self, obj: np.ndarray, region: np.ndarray) -> bool:
@@ -752,10 +752,10 @@ class Push(Skill):
         if self.phase == "up":
             goal = np.array([eef[0], eef[1], self.height + PUSH_RISE])
             if eef[2] > goal[2] - 0.01:
-                if self.scene.holds(self.predicate) or self.legs >= PUSH_LEGS:
+                if self.scene.holds(self.predicate) or self.drags >= PUSH_DRAGS:
                     self.done = True
                 else:
-                    self._next_leg()
+                    self._press_on()
         if self.hand.start is None:
             self.hand.action(raw, eef, grip)  # records the episode's first orientation
         # turned a quarter the palm is 6 cm across, not 20: it passes beside the cabinet behind the plate

@@ -727,9 +727,6 @@ class Push(Skill):
         self.drags += 1
         self.enter("above")
 
-    def _arrived(self, obj: np.ndarray, region: np.ndarray) -> bool:
-        return bool(np.all(np.abs((region - obj)[:2]) < PUSH_ARRIVED))
-
     def __call__(self, raw: dict[str, Any]) -> np.ndarray:
         eef = raw["robot0_eef_pos"]
         obj, region = self.scene.position(self.obj), self.scene.position(self.region)
@@ -745,10 +742,10 @@ class Push(Skill):
             goal[2] = self.floor - PUSH_PRESS
             speed = PUSH_SPEED
             self.count += 1
-            if self._arrived(obj, region):
-                self.enter("up")
-            elif np.linalg.norm((eef - press)[:2]) > PUSH_SLIPPED or self.count > PUSH_STEPS:
-                self.enter("up")  # the plate left behind: pressed on again from above
+            arrived = np.all(np.abs((region - obj)[:2]) < PUSH_ARRIVED)
+            slipped = np.linalg.norm((eef - press)[:2]) > PUSH_SLIPPED  # the plate left behind
+            if arrived or slipped or self.count > PUSH_STEPS:
+                self.enter("up")  # arrived: done; else pressed on again from above
         if self.phase == "up":
             goal = np.array([eef[0], eef[1], self.height + PUSH_RISE])
             if eef[2] > goal[2] - 0.01:

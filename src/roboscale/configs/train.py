@@ -20,6 +20,10 @@ class DatasetConfig:
     """Train on several datasets instead of root: directory -> weight (its share of every epoch)."""
     episodes: list[int] | None = None
     """Episode indices to train on (default: all; raw LeRobot datasets only)."""
+    instruction_variants: str = ""
+    """JSON file: a task string of the data -> a list of other phrasings; each training sample reads its task as
+    one of them or the recorded one, drawn from its seed (``data/instructions.py``). The tokenizer is trained on
+    them too. For policies that must follow instructions worded in ways the data never recorded."""
     num_workers: int = -1
     """Loader worker processes (video decoding, windows, the policy's per-sample transforms); 0: in the training
     process; -1: 0 without a GPU (CPU training needs every core for itself), else half the cores, at most 8."""

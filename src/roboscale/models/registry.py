@@ -11,7 +11,7 @@ another framework's checkpoints) or a method of the ``Policy`` contract (units t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -237,9 +237,10 @@ def fit_to_dataset(cfg: PolicyConfig, meta) -> None:
     cfg.fps = cfg.fps or float(meta.fps)
 
 
-def build_policy(cfg: PolicyConfig, meta) -> Policy:
+def build_policy(cfg: PolicyConfig, meta, extra_texts: Sequence[str] = ()) -> Policy:
     """A policy for a dataset: its config filled from the data, a tokenizer (the config's tokenizer.json, or a small
-    BPE trained on the dataset's task strings), weights initialised, normalization statistics set."""
+    BPE trained on the dataset's task strings and ``extra_texts``: the instructions training will read besides),
+    weights initialised, normalization statistics set."""
     from roboscale.models.tokenizer import TaskTokenizer
 
     fit_to_dataset(cfg, meta)
@@ -247,7 +248,7 @@ def build_policy(cfg: PolicyConfig, meta) -> Policy:
     tokenizer = None
     if spec.uses_tokenizer:
         tokenizer = (TaskTokenizer.from_file(cfg.tokenizer_path) if cfg.tokenizer_path
-                     else TaskTokenizer.train(meta.task_list, cfg.tokenizer_train_vocab))
+                     else TaskTokenizer.train([*meta.task_list, *extra_texts], cfg.tokenizer_train_vocab))
         cfg.vocab_size = tokenizer.vocab_size
     policy = spec.policy_class()(cfg, tokenizer)
     if meta.stats is None:

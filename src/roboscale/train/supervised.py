@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roboscale.configs.train import DatasetConfig, TrainConfig
+from roboscale.data.instructions import InstructionVariants, load_instruction_variants, phrasings
 from roboscale.errors import ConfigError
 from roboscale.train.components import TrainerView, TrainingComponents, TrainingJob
 
@@ -49,6 +50,7 @@ class SupervisedJob:
         self.sources: list[FrameSource] = []
         self.weights: list[float | None] = []
         self.meta: SourceMeta | None = None
+        self.instruction_variants: dict[str, list[str]] = {}
 
     @property
     def batch_size(self) -> int:
@@ -77,6 +79,9 @@ class SupervisedJob:
         # never build on refused data
         check_sources(self.sources, names, skip_bad_episodes=cfg.dataset.skip_bad_episodes)
         self.meta = source_meta(self.sources, names)
+        if cfg.dataset.instruction_variants:
+            self.instruction_variants = load_instruction_variants(cfg.dataset.instruction_variants,
+                                                                  self.meta.task_list)
         if resumed is not None:
             try:
                 fit_to_dataset(resumed.config, self.meta)  # the data may have changed since the checkpoint
@@ -88,7 +93,8 @@ class SupervisedJob:
             from roboscale.models.finetune import policy_for_finetuning
 
             return policy_for_finetuning(cfg.policy, self.meta)
-        return build_policy(cfg.policy, self.meta)
+        return build_policy(cfg.policy, self.meta,
+                            extra_texts=phrasings(self.instruction_variants))
 
     def build(self, trainer: TrainerView) -> TrainingComponents:
         from roboscale.models.registry import get_spec
@@ -112,6 +118,8 @@ class SupervisedJob:
         cfg, policy, data, meta = self.cfg, trainer.policy, self.cfg.dataset, self.meta
         policy_cfg = policy.config
         transform, collate = policy.data_transforms()
+        if self.instruction_variants:  # the phrasing is drawn before the policy's transform tokenizes it
+            transform = InstructionVariants(self.instruction_variants, then=transform)
         loading = LoaderConfig(
             batch_size=cfg.batch_size, seed=cfg.seed, num_workers=loader_workers(data.num_workers),
             prefetch_factor=data.prefetch_factor, chunk_frames=data.chunk_frames,

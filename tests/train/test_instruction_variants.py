@@ -101,3 +101,27 @@ def test_a_resumed_run_with_variants_in_loader_workers_continues_exactly(tiny_da
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_resume_refuses_a_variants_file_edited_since_the_checkpoint(tiny_dataset, tmp_path):
+    from roboscale.errors import CheckpointError
+
+    variants_file = tmp_path / "variants.json"
+    variants_file.write_text(json.dumps(VARIANTS))
+
+    def config(**kw):
+        cfg = tiny_train_config(tiny_dataset, tmp_path / "run", steps=4, **kw)
+        cfg.dataset.instruction_variants = str(variants_file)
+        return cfg
+
+    train(config(save_freq=2), progress=False)
+    resumable = config(resume=True)
+    resumable.steps = 6
+    variants_file.write_text(json.dumps({TASKS[0]: ["twist the faucet leftwards"]}))
+    with pytest.raises(CheckpointError, match=r"instruction_variants_state\.json.*phrasings of "
+                                              r"--dataset\.instruction_variants changed"):
+        train(resumable, progress=False)
+    variants_file.write_text(json.dumps(VARIANTS))  # the file restored: the run continues
+    resumable = config(resume=True)
+    resumable.steps = 6
+    assert train(resumable, progress=False).parent.name == "000006"

@@ -14,6 +14,7 @@ The file is JSON, read as data: nothing in it is imported or executed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -73,3 +74,20 @@ class InstructionVariants:
             if choice:  # 0: the recorded string
                 sample["task"] = options[choice - 1]
         return sample if self.then is None else self.then(sample)
+
+
+class VariantsFingerprint:
+    """Checkpointed with a run that reads variants: their sha256. The resume check compares the option, which names
+    a path; an edited file at the same path would make the resumed run read other phrasings than the run it
+    continues, so the resume refuses it."""
+
+    def __init__(self, variants: dict[str, list[str]]):
+        self.sha256 = hashlib.sha256(json.dumps(variants, sort_keys=True).encode()).hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sha256": self.sha256}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["sha256"] != self.sha256:
+            raise ValueError(f"the phrasings of {OPTION} changed since this checkpoint was written; a resumed run "
+                             "continues the same run: restore the file, or train into a new --output_dir")

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roboscale.configs.train import DatasetConfig, TrainConfig
-from roboscale.data.instructions import InstructionVariants, load_instruction_variants, phrasings
+from roboscale.data.instructions import (
+    InstructionVariants,
+    VariantsFingerprint,
+    load_instruction_variants,
+    phrasings,
+)
 from roboscale.errors import ConfigError
 from roboscale.train.components import TrainerView, TrainingComponents, TrainingJob
 
@@ -110,7 +115,9 @@ class SupervisedJob:
                      sum(len(s.episode_lengths) for s in sources), sum(int(s.episode_lengths.sum()) for s in sources),
                      loader.batches_per_epoch, loader.num_workers, trainer.env.world_size, trainer.plan.strategy,
                      trainer.plan.dp_replicate, trainer.plan.dp_shard)
-        return TrainingComponents(data=loader, objective=objective)
+        state = {"instruction_variants": VariantsFingerprint(self.instruction_variants)} \
+            if self.instruction_variants else {}
+        return TrainingComponents(data=loader, objective=objective, state=state)
 
     def build_loader(self, trainer: TrainerView) -> StreamingLoader:
         from roboscale.data.loading.loader import LoaderConfig, build_loader

@@ -76,33 +76,6 @@ def test_a_bad_variants_file_is_refused_before_training_naming_the_option_and_fi
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_resumed_run_with_variants_in_loader_workers_continues_exactly(tiny_dataset, tmp_path):
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file
-
-    variants_file = tmp_path / "variants.json"
-    variants_file.write_text(json.dumps(VARIANTS))
-
-    def config(out, **kw):
-        cfg = tiny_train_config(tiny_dataset, out, steps=8, **kw)
-        cfg.dataset.num_workers = 2  # the transform travels to worker processes
-        cfg.dataset.instruction_variants = str(variants_file)
-        return cfg
-
-    straight = train(config(tmp_path / "a"), progress=False)
-    train(config(tmp_path / "b", save_freq=4), progress=False)
-    checkpoints = tmp_path / "b" / "checkpoints"  # as if killed after step 4
-    shutil.rmtree(checkpoints / "000008")
-    (checkpoints / "last").unlink()
-    (checkpoints / "last").symlink_to("000004")
-    resumed = train(config(tmp_path / "b", resume=True), progress=False)
-    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
-
-
 def test_a_resume_refuses_a_variants_file_edited_since_the_checkpoint(tiny_dataset, tmp_path):
     from roboscale.errors import CheckpointError
 

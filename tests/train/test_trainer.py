@@ -11,6 +11,7 @@ from roboscale.models.pi05.config import Pi05Config
 from roboscale.models.policy import Policy
 from roboscale.configs.train import DatasetConfig, OptimizerConfig, TrainConfig
 from roboscale.train.supervised import train
+from tests.conftest import TASKS
 
 
 def tiny_train_config(root, out, steps, **kw) -> TrainConfig:
@@ -43,11 +44,15 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_dataset,
     assert json.loads((final.parent / "training_state" / "trainer_state.json").read_text())["step"] == 60
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_continues_exactly(tiny_dataset, tmp_path, workers):
+@pytest.mark.parametrize("workers, instruction_variants", [(0, False), (2, False), (2, True)])
+def test_resume_continues_exactly(tiny_dataset, tmp_path, workers, instruction_variants):
+    variants_file = tmp_path / "variants.json"  # with variants, their transform travels to the worker processes
+    variants_file.write_text(json.dumps({TASKS[0]: ["twist the faucet rightwards", "zorblax the tap"]}))
+
     def config(out, **kw):
         cfg = tiny_train_config(tiny_dataset, out, steps=8, **kw)
         cfg.dataset.num_workers = workers
+        cfg.dataset.instruction_variants = str(variants_file) if instruction_variants else ""
         return cfg
 
     straight = train(config(tmp_path / "a"), progress=False)

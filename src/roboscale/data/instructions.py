@@ -25,7 +25,7 @@ import numpy as np
 from roboscale.errors import ConfigError
 
 OPTION = "--dataset.instruction_variants"
-_STREAM = 0x1A5C  # keys the variant draw apart from the policy transform's own use of the sample seed
+_STREAM = 0x1A5C  # keys the variant draw apart from the flow-matching noise and time drawn from the same seed
 
 
 def load_instruction_variants(path: str | Path, tasks: list[str]) -> dict[str, list[str]]:

@@ -98,8 +98,7 @@ class SupervisedJob:
             from roboscale.models.finetune import policy_for_finetuning
 
             return policy_for_finetuning(cfg.policy, self.meta)
-        return build_policy(cfg.policy, self.meta,
-                            extra_texts=phrasings(self.instruction_variants))
+        return build_policy(cfg.policy, self.meta, extra_texts=phrasings(self.instruction_variants))
 
     def build(self, trainer: TrainerView) -> TrainingComponents:
         from roboscale.models.registry import get_spec
